@@ -1,0 +1,77 @@
+"""sqla_delayedq: a delayed message queue in your own database, as an SQLAlchemy 2.x extension.
+
+Add :class:`QueueMessageMixin` to a model (or use :class:`DelayedMessage`), create the table with
+Alembic, and offer messages inside your own ``session.begin()`` block, so they commit or roll back
+with your writes::
+
+    queue = DelayedQueue("emails")
+    with Session(engine) as session, session.begin():
+        session.add(user)
+        queue.offer(session, f"welcome/{user.id}", {"user_id": user.id})
+
+Consumers take due messages with ``try_poll`` (``FOR UPDATE SKIP LOCKED`` where the backend has
+it) and settle them with ``ack``, ``nack``, ``release`` or ``extend``, each guarded by the lock
+token of the take.
+"""
+
+from __future__ import annotations
+
+from ._dialects import is_transient
+from ._engine import configure_sqlite, create_engine
+from ._queue import DelayedQueue, OfferInput
+from ._types import (
+    Delivery,
+    Envelope,
+    MessageFilter,
+    MessageInfo,
+    NackOutcome,
+    OfferMode,
+    OfferResult,
+    Outcome,
+    QueueCounts,
+    State,
+)
+from .errors import (
+    ConfirmationRequired,
+    DecodeError,
+    DelayedQueueError,
+    EncodeError,
+    InvalidArgument,
+    UnsupportedBackend,
+)
+from .models import DelayedMessage, QueueMessageMixin
+from .retry import ExponentialBackoff, RetryPolicy
+from .serializers import BytesSerializer, JsonSerializer, Serializer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BytesSerializer",
+    "ConfirmationRequired",
+    "DecodeError",
+    "DelayedMessage",
+    "DelayedQueue",
+    "DelayedQueueError",
+    "Delivery",
+    "EncodeError",
+    "Envelope",
+    "ExponentialBackoff",
+    "InvalidArgument",
+    "JsonSerializer",
+    "MessageFilter",
+    "MessageInfo",
+    "NackOutcome",
+    "OfferInput",
+    "OfferMode",
+    "OfferResult",
+    "Outcome",
+    "QueueCounts",
+    "QueueMessageMixin",
+    "RetryPolicy",
+    "Serializer",
+    "State",
+    "UnsupportedBackend",
+    "configure_sqlite",
+    "create_engine",
+    "is_transient",
+]

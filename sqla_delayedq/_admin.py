@@ -1,0 +1,221 @@
+"""The read side and the admin side of a queue: inspect, search, drop, reschedule, requeue.
+
+All of them are set-based statements on the caller's Session (one statement per call), with
+filters built from :class:`~sqla_delayedq.MessageFilter` as bound parameters.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import delete, func, select, update
+from sqlalchemy.orm import Session
+from sqlalchemy.sql import ColumnElement
+
+from . import _statements as st
+from ._time import require_aware, require_duration
+from ._types import MessageFilter, MessageInfo, QueueCounts, State
+from .errors import ConfirmationRequired, DecodeError, InvalidArgument
+
+if TYPE_CHECKING:
+    from sqlalchemy import Table
+
+    from ._time import Clock
+
+
+class AdminMixin:
+    """Read and admin operations of :class:`~sqla_delayedq.DelayedQueue`."""
+
+    name: str
+    table: Table
+    retention: timedelta | None
+    clock: Clock
+
+    if TYPE_CHECKING:
+
+        def now(self) -> datetime: ...
+        def _decode(self, row: Any) -> Any: ...
+
+    # -- read side -----------------------------------------------------------------------
+
+    def _where(self, f: MessageFilter | None, now: datetime) -> ColumnElement[bool]:
+        f = f or MessageFilter()
+        if not isinstance(f, MessageFilter):
+            raise InvalidArgument(f"filter must be a MessageFilter, got {type(f).__name__}")
+        for name, value in f.payload.items():
+            if not isinstance(name, str) or not name:
+                raise InvalidArgument("payload filter field names must be non-empty strings")
+            if not isinstance(value, (str, int, float, bool)):
+                raise InvalidArgument(
+                    f"payload filter {name!r}: only str, int, float and bool values are "
+                    "supported; use MessageFilter(where=...) for anything else"
+                )
+        return st.filter_clause(
+            self.table,
+            self.name,
+            now,
+            state=None if f.state is None else State.parse(f.state).value,
+            key_prefix=f.key_prefix,
+            keys=f.keys,
+            payload=dict(f.payload),
+            scheduled_before=None
+            if f.scheduled_before is None
+            else require_aware(f.scheduled_before, "scheduled_before"),
+            scheduled_after=None
+            if f.scheduled_after is None
+            else require_aware(f.scheduled_after, "scheduled_after"),
+            where=f.where,
+        )
+
+    def _info(self, row: Any, now: datetime) -> MessageInfo:
+        payload, problem = None, None
+        try:
+            payload = self._decode(row)
+        except DecodeError as exc:
+            problem = str(exc)
+        if row.status != "pending":
+            state = State(row.status)
+        elif row.scheduled_at is not None and row.scheduled_at <= now:
+            state = State.DUE
+        elif row.lock_token is not None:
+            state = State.IN_FLIGHT
+        else:
+            state = State.SCHEDULED
+        return MessageInfo(
+            id=row.id,
+            queue=row.queue,
+            key=row.key,
+            payload_type=row.payload_type,
+            payload=payload,
+            status=row.status,
+            state=state,
+            scheduled_at=row.scheduled_at,
+            scheduled_at_initially=row.scheduled_at_initially,
+            created_at=row.created_at,
+            attempts=row.attempts,
+            last_attempt_at=row.last_attempt_at,
+            last_error=row.last_error,
+            lock_token=row.lock_token,
+            decode_error=problem,
+        )
+
+    def get(self, session: Session, key: str) -> MessageInfo | None:
+        """The message stored under ``key``, in any state, or None."""
+        row = session.execute(st.select_by_key(self.table, self.name, key)).first()
+        return None if row is None else self._info(row, self.now())
+
+    def contains(self, session: Session, key: str) -> bool:
+        """Whether ``key`` is pending (due, scheduled or in flight) in this queue."""
+        t = self.table
+        stmt = select(t.c.id).where(t.c.queue == self.name, t.c.key == key, t.c.status == "pending")
+        return session.execute(stmt).first() is not None
+
+    def counts(self, session: Session) -> QueueCounts:
+        """How many messages are due, scheduled, in flight, dead and done."""
+        row = session.execute(st.count_by_state(self.table, self.name, self.now())).one()
+        return QueueCounts(*(int(v) for v in row))
+
+    def oldest_due(self, session: Session) -> datetime | None:
+        """The due time of the oldest due message (its lag is ``now - oldest_due``)."""
+        t = self.table
+        stmt = select(func.min(t.c.scheduled_at)).where(st.due_filter(t, self.name, self.now()))
+        value: datetime | None = session.execute(stmt).scalar()
+        return value
+
+    def search(
+        self,
+        session: Session,
+        where: MessageFilter | None = None,
+        *,
+        limit: int = 100,
+        after_id: int | None = None,
+    ) -> list[MessageInfo]:
+        """Messages matching ``where``, by id; page with ``after_id`` (the last id seen)."""
+        if limit < 1:
+            raise InvalidArgument(f"limit must be >= 1, got {limit}")
+        t = self.table
+        now = self.now()
+        stmt = select(*st.columns(t)).where(self._where(where, now)).order_by(t.c.id).limit(limit)
+        if after_id is not None:
+            stmt = stmt.where(t.c.id > after_id)
+        return [self._info(r, now) for r in session.execute(stmt)]
+
+    def count(self, session: Session, where: MessageFilter | None = None) -> int:
+        """How many messages match ``where``."""
+        t = self.table
+        stmt = select(func.count()).select_from(t).where(self._where(where, self.now()))
+        return int(session.execute(stmt).scalar_one())
+
+    # -- admin side ----------------------------------------------------------------------
+
+    def drop(self, session: Session, key: str) -> bool:
+        """Delete the message stored under ``key``; False when there was none."""
+        t = self.table
+        stmt = delete(t).where(t.c.queue == self.name, t.c.key == key)
+        return bool(session.execute(stmt).rowcount)  # type: ignore[attr-defined]
+
+    def drop_where(self, session: Session, where: MessageFilter) -> int:
+        """Delete every message matching ``where``; returns how many."""
+        if where is None:
+            raise InvalidArgument("drop_where needs a filter; use drop_all to empty the queue")
+        stmt = delete(self.table).where(self._where(where, self.now()))
+        return int(session.execute(stmt).rowcount)  # type: ignore[attr-defined]
+
+    def drop_all(self, session: Session, *, confirm: str | None = None) -> int:
+        """Delete every message of the queue. ``confirm`` must repeat the queue's name."""
+        if confirm != self.name:
+            raise ConfirmationRequired(
+                f"drop_all deletes every message of queue {self.name!r}; "
+                f"pass confirm={self.name!r} to proceed"
+            )
+        t = self.table
+        return int(session.execute(delete(t).where(t.c.queue == self.name)).rowcount)  # type: ignore[attr-defined]
+
+    def reschedule(
+        self, session: Session, target: str | MessageFilter, at: datetime | None = None
+    ) -> int:
+        """Move pending messages (one key or a filter) to ``at``; now by default ("process now").
+
+        Messages in flight keep their lease: they are not rescheduled.
+        """
+        now = self.now()
+        when = now if at is None else require_aware(at, "at")
+        t = self.table
+        if isinstance(target, str):
+            target = MessageFilter(keys=(target,))
+        not_in_flight = st.state_clause(t, "in_flight", now)
+        stmt = (
+            update(t)
+            .where(self._where(target, now), t.c.status == "pending", ~not_in_flight)
+            .values(scheduled_at=when, lock_token=None)
+        )
+        return int(session.execute(stmt).rowcount)  # type: ignore[attr-defined]
+
+    def requeue_dead(
+        self, session: Session, where: MessageFilter | None = None, at: datetime | None = None
+    ) -> int:
+        """Make dead messages pending again (attempts reset, last error kept for history)."""
+        now = self.now()
+        when = now if at is None else require_aware(at, "at")
+        t = self.table
+        stmt = (
+            update(t)
+            .where(self._where(where, now), t.c.status == "dead")
+            .values(status="pending", scheduled_at=when, lock_token=None, attempts=0)
+        )
+        return int(session.execute(stmt).rowcount)  # type: ignore[attr-defined]
+
+    def prune(self, session: Session, older_than: timedelta | None = None) -> int:
+        """Delete done messages acknowledged more than ``older_than`` (the retention) ago."""
+        keep = older_than if older_than is not None else self.retention
+        if keep is None:
+            raise InvalidArgument("prune needs older_than, or a queue created with retention")
+        keep = require_duration(keep, "older_than", allow_zero=True)
+        t = self.table
+        stmt = delete(t).where(
+            t.c.queue == self.name,
+            t.c.status == "done",
+            t.c.last_attempt_at < self.now() - keep,
+        )
+        return int(session.execute(stmt).rowcount)  # type: ignore[attr-defined]

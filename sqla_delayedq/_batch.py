@@ -1,0 +1,208 @@
+"""Batch offer and batch ack: a constant number of statements per chunk, never one per message.
+
+A chunk of distinct keys (sorted, so concurrent batches lock rows in the same order) costs:
+one ``SELECT`` of the existing rows (locked where the backend locks), one multi-row
+insert-if-absent that reports which keys it wrote, and one executemany of guarded updates.
+Repeated keys inside the batch are folded in Python first, in input order, exactly as
+successive single offers would have acted; keys that a concurrent transaction inserted
+between the ``SELECT`` and the insert go through the single-offer path, one key at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from itertools import islice
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import bindparam, delete, update
+from sqlalchemy.orm import Session
+
+from . import _statements as st
+from ._dialects import Strategy, strategy_for
+from ._time import require_aware
+from ._types import Envelope, OfferMode, OfferResult, Outcome
+from .errors import DelayedQueueError, InvalidArgument
+
+if TYPE_CHECKING:
+    from ._queue import DelayedQueue, OfferInput
+
+#: Bound parameters per inserted row, with headroom.
+PARAMS_PER_ROW = 12
+MAX_CHUNK = 1000
+
+
+class _Item:
+    __slots__ = ("at", "index", "key", "values")
+
+    def __init__(self, index: int, key: str, values: dict[str, Any], at: datetime | None) -> None:
+        self.index, self.key, self.values, self.at = index, key, values, at
+
+
+def _batched(items: Sequence[str], size: int) -> Iterable[list[str]]:
+    it = iter(items)
+    while chunk := list(islice(it, size)):
+        yield chunk
+
+
+def chunk_size(strategy: Strategy) -> int:
+    return max(1, min(MAX_CHUNK, strategy.max_params // PARAMS_PER_ROW))
+
+
+def _validate(q: DelayedQueue[Any], messages: Iterable[OfferInput], now: datetime) -> list[_Item]:
+    items: list[_Item] = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, tuple) or len(message) not in (2, 3):
+            raise InvalidArgument(
+                f"messages[{i}] must be a (key, payload) or (key, payload, at) tuple"
+            )
+        at_arg = message[2] if len(message) == 3 else None  # type: ignore[misc]
+        at = None if at_arg is None else require_aware(at_arg, f"messages[{i}] at")
+        items.append(_Item(i, q._key(message[0]), q._encode(message[1]), at))
+    return items
+
+
+def offer_batch(
+    q: DelayedQueue[Any], session: Session, messages: Iterable[OfferInput], mode: OfferMode
+) -> list[OfferResult]:
+    now = q.now()
+    items = _validate(q, messages, now)
+    if not items:
+        return []
+    by_key: dict[str, list[_Item]] = {}
+    for item in items:
+        by_key.setdefault(item.key, []).append(item)
+    strategy = strategy_for(session)
+    outcomes: list[Outcome | None] = [None] * len(items)
+    for keys in _batched(sorted(by_key), chunk_size(strategy)):
+        _offer_chunk(q, session, strategy, keys, by_key, mode, now, outcomes)
+    if any(o is not Outcome.IGNORED for o in outcomes):
+        q._wake(session, strategy)
+    return [OfferResult(item.key, o) for item, o in zip(items, outcomes)]  # type: ignore[arg-type]
+
+
+def _offer_chunk(
+    q: DelayedQueue[Any],
+    session: Session,
+    strategy: Strategy,
+    keys: list[str],
+    by_key: dict[str, list[_Item]],
+    mode: OfferMode,
+    now: datetime,
+    outcomes: list[Outcome | None],
+) -> None:
+    t = q.table
+    lock = None if mode is OfferMode.SKIP else strategy.batch_lock
+    existing = {r.key: r for r in session.execute(st.select_by_keys(t, q.name, keys, lock))}
+
+    inserts: dict[str, dict[str, Any]] = {}
+    updates: list[tuple[Any, dict[str, Any]]] = []
+    for key in keys:
+        row = existing.get(key)
+        state: Any = row
+        changes: dict[str, Any] = {}
+        for item in by_key[key]:
+            if state is None:
+                state = SimpleNamespace(
+                    **q._new_row(key, item.values, item.at or now, now), lock_token=None
+                )
+                outcomes[item.index] = Outcome.CREATED
+                continue
+            step = (
+                None
+                if mode is OfferMode.SKIP
+                else q._changes(state, item.values, item.at, now, mode)
+            )
+            if step is None:
+                outcomes[item.index] = Outcome.IGNORED
+                continue
+            outcomes[item.index] = Outcome.UPDATED
+            changes.update(step)
+            state = SimpleNamespace(**{**_as_dict(state), **step})
+        if row is None:
+            inserts[key] = {c: getattr(state, c) for c in q._new_row(key, {}, now, now)} | {
+                "payload_type": state.payload_type,
+                "payload": state.payload,
+                "payload_bytes": state.payload_bytes,
+            }
+        elif changes:
+            updates.append((row, changes))
+
+    lost = _insert_chunk(session, strategy, t, inserts) if inserts else []
+    if updates:
+        _update_chunk(session, t, updates)
+    for key in lost:
+        # A concurrent transaction inserted this key after our SELECT: replay its offers singly.
+        for item in by_key[key]:
+            outcomes[item.index] = q._offer_one(
+                session, strategy, key, item.values, item.at, now, mode
+            )
+
+
+def _as_dict(state: Any) -> dict[str, Any]:
+    if isinstance(state, SimpleNamespace):
+        return dict(vars(state))
+    return dict(state._mapping)
+
+
+def _insert_chunk(
+    session: Session, strategy: Strategy, t: Any, inserts: dict[str, dict[str, Any]]
+) -> list[str]:
+    """Insert rows whose keys were absent; return the keys another transaction took first."""
+    rows = list(inserts.values())
+    stmt = strategy.insert_ignore(t)
+    if strategy.insert_returning:
+        written = set(session.execute(stmt.returning(t.c.key), rows).scalars())
+        return [k for k in inserts if k not in written]
+    savepoint = session.begin_nested()
+    if session.execute(stmt, rows).rowcount == len(rows):  # type: ignore[attr-defined]
+        savepoint.commit()
+        return []
+    savepoint.rollback()  # cannot tell which rows were ours: redo the whole chunk singly
+    return list(inserts)
+
+
+def _update_chunk(session: Session, t: Any, updates: list[tuple[Any, dict[str, Any]]]) -> None:
+    groups: dict[frozenset[str], list[dict[str, Any]]] = {}
+    for row, changes in updates:
+        params = {f"new_{k}": v for k, v in changes.items()}
+        params |= {"row_id": row.id, "seen_at": row.scheduled_at, "seen_token": row.lock_token}
+        groups.setdefault(frozenset(changes), []).append(params)
+    for columns, params in groups.items():
+        stmt = (
+            update(t)
+            .where(
+                t.c.id == bindparam("row_id"),
+                t.c.scheduled_at.is_not_distinct_from(
+                    bindparam("seen_at", type_=t.c.scheduled_at.type)
+                ),
+                t.c.lock_token.is_not_distinct_from(
+                    bindparam("seen_token", type_=t.c.lock_token.type)
+                ),
+            )
+            .values({c: bindparam(f"new_{c}", type_=t.c[c].type) for c in sorted(columns)})
+        )
+        result: Any = session.execute(stmt, params)
+        if result.context.dialect.supports_sane_multi_rowcount and result.rowcount != len(params):
+            raise DelayedQueueError(
+                f"{len(params) - result.rowcount} rows of a batch changed under their lock; "
+                "roll back and retry the transaction"
+            )
+
+
+def ack_many(q: DelayedQueue[Any], session: Session, envelopes: Sequence[Envelope[Any]]) -> int:
+    """One statement for the whole batch: tokens embed the row id, so they identify the take."""
+    t = q.table
+    ids = [e.id for e in envelopes]
+    tokens = [e.lock_token for e in envelopes]
+    cond = (t.c.id.in_(ids), t.c.lock_token.in_(tokens))
+    if q.retention is None:
+        stmt: Any = delete(t).where(*cond)
+    else:
+        stmt = (
+            update(t)
+            .where(*cond)
+            .values(status="done", scheduled_at=None, lock_token=None, last_attempt_at=q.now())
+        )
+    return int(session.execute(stmt).rowcount)

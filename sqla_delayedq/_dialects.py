@@ -1,0 +1,269 @@
+"""Backend strategies: one class per database family, chosen by capability.
+
+A strategy holds class-level facts (``skip_locked``, ``insert_returning``, parameter limits, which
+lock to take when reading a row an offer may update) and the few operations whose round trips
+differ by backend: how to take due messages, how to insert-if-absent, which errors are transient.
+The server version is checked on first use; an older server is refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import abc
+import weakref
+from dataclasses import dataclass
+from datetime import datetime
+from types import SimpleNamespace
+from typing import Any, ClassVar
+
+from sqlalchemy import Table
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.dialects import mysql, postgresql, sqlite
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import Session
+from sqlalchemy.sql import Insert
+
+from . import _statements as st
+from .errors import UnsupportedBackend
+
+__all__ = ["Claimed", "Strategy", "is_transient", "strategy_for"]
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """A row as it is after the take, with what it was before."""
+
+    row: Any
+    prev_token: str | None
+    prev_scheduled_at: datetime
+
+
+class Strategy(abc.ABC):
+    """Behaviour shared by all backends; subclasses override only what differs."""
+
+    name: ClassVar[str]
+    min_version: ClassVar[tuple[int, ...]]
+    #: Bound parameters one statement may carry.
+    max_params: ClassVar[int] = 30_000
+    #: Lock for reading a row that a single offer may then update.
+    offer_lock: ClassVar[st.Lock] = "update"
+    #: Lock for reading the existing rows of a batch offer.
+    batch_lock: ClassVar[st.Lock] = "update"
+    #: Whether ``INSERT ... RETURNING`` tells which rows of a multi-row insert were written.
+    insert_returning: bool = True
+    #: Whether ``NOTIFY`` exists to wake listeners on commit.
+    has_notify: ClassVar[bool] = False
+
+    def __init__(self, dialect: Dialect) -> None:
+        self.dialect = dialect
+        version = self.server_version(dialect)
+        if version < self.min_version:
+            raise UnsupportedBackend(
+                f"{self.name} {'.'.join(map(str, version))} is too old for sqla_delayedq: "
+                f"{'.'.join(map(str, self.min_version))} or newer is required "
+                f"({self.why_min_version})"
+            )
+
+    why_min_version: ClassVar[str] = ""
+
+    @staticmethod
+    def server_version(dialect: Dialect) -> tuple[int, ...]:
+        info = dialect.server_version_info or ()
+        return tuple(int(v) for v in info if isinstance(v, int))
+
+    @abc.abstractmethod
+    def insert_ignore(self, t: Table) -> Insert:
+        """``INSERT`` that skips rows whose (queue, key) exists, waiting on racing inserts."""
+
+    def claim(
+        self,
+        session: Session,
+        t: Table,
+        queue: str,
+        now: datetime,
+        lease_until: datetime,
+        limit: int,
+        prefix: str,
+    ) -> list[Claimed]:
+        """Pick up to ``limit`` due rows (skipping locked ones) and take them."""
+        picked = session.execute(st.select_due(t, queue, now, limit, self.poll_lock)).all()
+        if not picked:
+            return []
+        ids = [r.id for r in picked]
+        session.execute(st.take_ids(t, ids, now, lease_until, prefix))
+        return [
+            Claimed(
+                _taken(r, lease_until, prefix),
+                r.lock_token,
+                r.scheduled_at,
+            )
+            for r in picked
+        ]
+
+    poll_lock: ClassVar[st.Lock] = "update_skip_locked"
+
+    @classmethod
+    def is_transient(cls, exc: BaseException) -> bool:
+        """Deadlocks, serialization failures, lost connections: safe to retry the transaction."""
+        return isinstance(exc, sa_exc.DBAPIError) and bool(exc.connection_invalidated)
+
+
+class PostgreSQLStrategy(Strategy):
+    name = "PostgreSQL"
+    min_version = (12,)
+    why_min_version = "the minimum version sqla_delayedq is tested against"
+    max_params = 60_000
+    has_notify = True
+
+    TRANSIENT_STATES = frozenset({"40001", "40P01", "55P03", "57P01", "57P02", "57P03"})
+
+    def insert_ignore(self, t: Table) -> Insert:
+        return postgresql.insert(t).on_conflict_do_nothing(index_elements=["queue", "key"])
+
+    def claim(
+        self,
+        session: Session,
+        t: Table,
+        queue: str,
+        now: datetime,
+        lease_until: datetime,
+        limit: int,
+        prefix: str,
+    ) -> list[Claimed]:
+        rows = session.execute(st.claim_returning(t, queue, now, lease_until, limit, prefix)).all()
+        claimed = [Claimed(r, r.prev_token, r.prev_scheduled_at) for r in rows]
+        claimed.sort(key=lambda c: (c.prev_scheduled_at, c.row.id))
+        return claimed
+
+    @classmethod
+    def is_transient(cls, exc: BaseException) -> bool:
+        if super().is_transient(exc):
+            return True
+        orig = getattr(exc, "orig", None)
+        state = getattr(orig, "sqlstate", None) or ""
+        return state in cls.TRANSIENT_STATES or state.startswith("08")
+
+
+class MySQLStrategy(Strategy):
+    name = "MySQL"
+    min_version = (8, 0, 1)
+    why_min_version = "SKIP LOCKED arrived in MySQL 8.0.1"
+    max_params = 60_000
+    # A shared read, so racing offers of one key that all find it identical never deadlock
+    # upgrading locks; only an offer that must change the row upgrades to an exclusive lock.
+    offer_lock = "share"
+    insert_returning = False
+
+    TRANSIENT_CODES = frozenset({1205, 1213, 1927, 2003, 2006, 2013, 2055, 4031})
+
+    def insert_ignore(self, t: Table) -> Insert:
+        return mysql.insert(t).prefix_with("IGNORE")
+
+    @classmethod
+    def is_transient(cls, exc: BaseException) -> bool:
+        if super().is_transient(exc):
+            return True
+        orig = getattr(exc, "orig", None)
+        args = getattr(orig, "args", ())
+        return bool(args) and args[0] in cls.TRANSIENT_CODES
+
+
+class MariaDBStrategy(MySQLStrategy):
+    name = "MariaDB"
+    min_version = (10, 6)
+    why_min_version = "SKIP LOCKED arrived in MariaDB 10.6"
+    insert_returning = True  # INSERT ... RETURNING since 10.5
+
+
+class SQLiteStrategy(Strategy):
+    name = "SQLite"
+    min_version = (3, 35)
+    why_min_version = "RETURNING arrived in SQLite 3.35"
+    max_params = 32_000
+    # One writer at a time: transactions begin IMMEDIATE (see create_engine), no row locks.
+    offer_lock = None
+    batch_lock = None
+    poll_lock = None
+
+    @staticmethod
+    def server_version(dialect: Dialect) -> tuple[int, ...]:
+        return tuple(dialect.dbapi.sqlite_version_info)  # type: ignore[union-attr]
+
+    def insert_ignore(self, t: Table) -> Insert:
+        return sqlite.insert(t).on_conflict_do_nothing(index_elements=["queue", "key"])
+
+    def claim(
+        self,
+        session: Session,
+        t: Table,
+        queue: str,
+        now: datetime,
+        lease_until: datetime,
+        limit: int,
+        prefix: str,
+    ) -> list[Claimed]:
+        picked = session.execute(st.select_due(t, queue, now, limit, None)).all()
+        if not picked:
+            return []
+        taken = set(
+            session.execute(
+                st.take_ids(t, [r.id for r in picked], now, lease_until, prefix).returning(t.c.id)
+            ).scalars()
+        )
+        return [
+            Claimed(
+                _taken(r, lease_until, prefix),
+                r.lock_token,
+                r.scheduled_at,
+            )
+            for r in picked
+            if r.id in taken
+        ]
+
+    @classmethod
+    def is_transient(cls, exc: BaseException) -> bool:
+        if super().is_transient(exc):
+            return True
+        return isinstance(exc, sa_exc.OperationalError) and "locked" in str(exc.orig)
+
+
+def _taken(row: Any, lease_until: datetime, prefix: str) -> SimpleNamespace:
+    """A picked row as the take left it."""
+    return SimpleNamespace(
+        **{**row._mapping, "scheduled_at": lease_until, "lock_token": f"{prefix}{row.id}"}
+    )
+
+
+_cache: weakref.WeakKeyDictionary[Dialect, Strategy] = weakref.WeakKeyDictionary()
+
+
+def _strategy_class(dialect: Dialect) -> type[Strategy]:
+    if dialect.name == "postgresql":
+        return PostgreSQLStrategy
+    if dialect.name in ("mysql", "mariadb"):
+        return MariaDBStrategy if getattr(dialect, "is_mariadb", False) else MySQLStrategy
+    if dialect.name == "sqlite":
+        return SQLiteStrategy
+    raise UnsupportedBackend(
+        f"the {dialect.name!r} dialect is not supported; use PostgreSQL, MariaDB/MySQL or SQLite"
+    )
+
+
+def strategy_for(session: Session) -> Strategy:
+    """The strategy for the database behind ``session`` (connects if it has not yet)."""
+    dialect = session.get_bind().dialect
+    strategy = _cache.get(dialect)
+    if strategy is None:
+        if dialect.server_version_info is None and dialect.name != "sqlite":
+            session.connection()  # first connect fills in the server version
+        strategy = _strategy_class(dialect)(dialect)
+        _cache[dialect] = strategy
+    return strategy
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True when ``exc`` is a database error worth retrying the whole transaction for.
+
+    Deadlocks, serialization failures, lock timeouts, lost connections and server restarts on
+    any supported backend; constraint violations and bad SQL are not transient.
+    """
+    return any(cls.is_transient(exc) for cls in (PostgreSQLStrategy, MySQLStrategy, SQLiteStrategy))

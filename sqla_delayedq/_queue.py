@@ -1,0 +1,425 @@
+"""The queue: offer, poll, acknowledge, fail, release and extend, on the caller's Session.
+
+No operation commits. Each joins the caller's transaction, so a message is written (or taken, or
+acknowledged) together with the caller's own rows, or not at all.
+"""
+
+from __future__ import annotations
+
+import secrets
+import traceback
+import uuid
+from collections.abc import Iterable, Sequence
+from datetime import datetime, timedelta
+from typing import Any, Generic, TypeVar, cast
+
+from sqlalchemy import Table
+from sqlalchemy.orm import Session
+
+from . import _statements as st
+from ._admin import AdminMixin
+from ._dialects import Claimed, Strategy, strategy_for
+from ._time import Clock, require_aware, require_duration, system_clock
+from ._types import Delivery, Envelope, NackOutcome, OfferMode, OfferResult, Outcome
+from ._wakeup import announce
+from .errors import DecodeError, DelayedQueueError, InvalidArgument
+from .models import ERROR_MAX, KEY_MAX, QUEUE_MAX, DelayedMessage, QueueMessageMixin
+from .retry import ExponentialBackoff, RetryPolicy
+from .serializers import JsonSerializer, Serializer
+
+T = TypeVar("T")
+
+__all__ = ["DelayedQueue", "OfferInput"]
+
+#: One message of a batch: ``(key, payload)`` or ``(key, payload, at)``; ``key`` may be None.
+OfferInput = tuple[str | None, Any] | tuple[str | None, Any, datetime | None]
+
+#: How many times a compare-and-swap is retried before giving up; each lost round means another
+#: transaction changed the row in between, which row locks make rare outside SQLite.
+CAS_ROUNDS = 32
+
+
+def check_name(value: Any, what: str, limit: int) -> str:
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{what} must be a string, got {type(value).__name__}")
+    if not value:
+        raise InvalidArgument(f"{what} must not be empty")
+    if len(value) > limit:
+        raise InvalidArgument(f"{what} is {len(value)} characters; the limit is {limit}")
+    return value
+
+
+def error_text(error: BaseException | str) -> str:
+    if isinstance(error, BaseException):
+        text = "".join(traceback.format_exception_only(type(error), error)).strip()
+        tb = "".join(traceback.format_tb(error.__traceback__)) if error.__traceback__ else ""
+        if tb:
+            text = f"{text}\n{tb}"
+    else:
+        text = str(error)
+    return text[:ERROR_MAX]
+
+
+class DelayedQueue(AdminMixin, Generic[T]):
+    """A named queue of payloads of type ``T``, stored in ``model``'s table.
+
+    :param name: the queue's name; many queues share one table.
+    :param model: a mapped class with :class:`~sqla_delayedq.QueueMessageMixin`.
+    :param serializer: how payloads are stored; JSON by default.
+    :param lease: how long a take hides a message from other consumers.
+    :param retry: when a failed message is retried and when it is dead.
+    :param retention: keep acknowledged messages as ``done`` for this long instead of deleting.
+    :param clock: the time source; inject one in tests instead of sleeping.
+    :param notify: wake idle workers when an offer commits (``NOTIFY`` on PostgreSQL, in-process
+        wake-ups everywhere).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        model: type[QueueMessageMixin] = DelayedMessage,
+        serializer: Serializer[T] | None = None,
+        lease: timedelta = timedelta(minutes=5),
+        retry: RetryPolicy | None = None,
+        retention: timedelta | None = None,
+        clock: Clock = system_clock,
+        notify: bool = True,
+    ) -> None:
+        self.name = check_name(name, "queue name", QUEUE_MAX)
+        self.model = model
+        self.table: Table = cast(Table, model.__table__)  # type: ignore[attr-defined]
+        self.serializer: Serializer[T] = serializer or cast(Serializer[T], JsonSerializer())
+        if not isinstance(self.serializer, Serializer):
+            raise InvalidArgument("serializer must have type_name, storage, encode and decode")
+        self.lease = require_duration(lease, "lease")
+        self.retry_policy: RetryPolicy = retry or ExponentialBackoff()
+        self.retention = None if retention is None else require_duration(retention, "retention")
+        self.clock = clock
+        self.notify = notify
+
+    def __repr__(self) -> str:
+        return f"DelayedQueue({self.name!r}, table={self.table.name!r})"
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def now(self) -> datetime:
+        return require_aware(self.clock(), "clock()")
+
+    def _key(self, key: str | None) -> str:
+        return uuid.uuid4().hex if key is None else check_name(key, "key", KEY_MAX)
+
+    def _encode(self, payload: T) -> dict[str, Any]:
+        encoded = self.serializer.encode(payload)
+        json_storage = self.serializer.storage == "json"
+        return {
+            "payload_type": self.serializer.type_name,
+            "payload": encoded if json_storage else None,
+            "payload_bytes": None if json_storage else encoded,
+        }
+
+    def _decode(self, row: Any) -> T:
+        if row.payload_type != self.serializer.type_name:
+            raise DecodeError(
+                f"payload type {row.payload_type!r} does not match this queue's "
+                f"serializer {self.serializer.type_name!r}"
+            )
+        stored = row.payload if self.serializer.storage == "json" else row.payload_bytes
+        if stored is None:
+            raise DecodeError(f"no payload in the {self.serializer.storage} column")
+        try:
+            return self.serializer.decode(stored)
+        except DecodeError:
+            raise
+        except Exception as exc:
+            raise DecodeError(f"{type(exc).__name__}: {exc}") from exc
+
+    @staticmethod
+    def _same_payload(row: Any, values: dict[str, Any]) -> bool:
+        return bool(
+            row.payload_type == values["payload_type"]
+            and row.payload == values["payload"]
+            and row.payload_bytes == values["payload_bytes"]
+        )
+
+    def _changes(
+        self,
+        row: Any,
+        values: dict[str, Any],
+        at: datetime | None,
+        now: datetime,
+        mode: OfferMode,
+    ) -> dict[str, Any] | None:
+        """The update an offer makes to an existing row, or None when it is ``IGNORED``.
+
+        ``at`` is None when the caller gave no time ("as soon as possible"): then an identical
+        payload is ``IGNORED`` whatever the stored schedule, since the message is already there.
+        """
+        same_payload = self._same_payload(row, values)
+        fresh = {"lock_token": None, "status": "pending", "attempts": 0, "last_error": None}
+        if mode is OfferMode.REPLACE:
+            if same_payload and (at is None or row.scheduled_at_initially == at):
+                return None
+            at = now if at is None else at
+            return {**values, **fresh, "scheduled_at": at, "scheduled_at_initially": at}
+        if mode is OfferMode.KEEP_SCHEDULE:
+            if same_payload:
+                return None
+            if row.status != "pending":
+                scheduled_at = at or now  # done or dead: it has no schedule left to keep
+            elif row.lock_token is not None:
+                scheduled_at = now  # in flight: the new payload is due as soon as possible
+            else:
+                scheduled_at = row.scheduled_at
+            return {**values, **fresh, "scheduled_at": scheduled_at}
+        return None
+
+    def _new_row(
+        self, key: str, values: dict[str, Any], at: datetime, now: datetime
+    ) -> dict[str, Any]:
+        return {
+            "queue": self.name,
+            "key": key,
+            **values,
+            "status": "pending",
+            "scheduled_at": at,
+            "scheduled_at_initially": at,
+            "created_at": now,
+            "attempts": 0,
+        }
+
+    def _wake(self, session: Session, strategy: Strategy) -> None:
+        if self.notify:
+            announce(session, self.table.name, self.name, strategy.has_notify)
+
+    # -- offer ---------------------------------------------------------------------------
+
+    def offer(
+        self,
+        session: Session,
+        key: str | None,
+        payload: T,
+        at: datetime | None = None,
+        *,
+        mode: OfferMode | str = OfferMode.REPLACE,
+    ) -> OfferResult:
+        """Enqueue ``payload`` under ``key`` (generated when None), due at ``at`` (now).
+
+        Returns the key and ``CREATED``, ``UPDATED`` or ``IGNORED`` (see :class:`OfferMode`).
+        An update resets the lease, so a consumer still holding the old version cannot ack it.
+        """
+        mode = OfferMode.parse(mode)
+        key = self._key(key)
+        now = self.now()
+        when = None if at is None else require_aware(at, "at")
+        values = self._encode(payload)
+        strategy = strategy_for(session)
+        outcome = self._offer_one(session, strategy, key, values, when, now, mode)
+        if outcome is not Outcome.IGNORED:
+            self._wake(session, strategy)
+        return OfferResult(key, outcome)
+
+    def _insert_one(self, session: Session, strategy: Strategy, row: dict[str, Any]) -> bool:
+        stmt = strategy.insert_ignore(self.table)
+        if strategy.insert_returning:
+            return session.execute(stmt.returning(self.table.c.id), row).first() is not None
+        return bool(session.execute(stmt, row).rowcount == 1)  # type: ignore[attr-defined]
+
+    def _offer_one(
+        self,
+        session: Session,
+        strategy: Strategy,
+        key: str,
+        values: dict[str, Any],
+        at: datetime | None,
+        now: datetime,
+        mode: OfferMode,
+    ) -> Outcome:
+        t = self.table
+        for _ in range(CAS_ROUNDS):
+            if self._insert_one(session, strategy, self._new_row(key, values, at or now, now)):
+                return Outcome.CREATED
+            if mode is OfferMode.SKIP:
+                return Outcome.IGNORED
+            row = session.execute(st.select_by_key(t, self.name, key, strategy.offer_lock)).first()
+            if row is None:
+                continue  # acknowledged and deleted in between: insert again
+            changes = self._changes(row, values, at, now, mode)
+            if changes is None:
+                return Outcome.IGNORED
+            stmt = st.guarded_update(t, row.id, row.scheduled_at, row.lock_token).values(changes)
+            if session.execute(stmt).rowcount == 1:  # type: ignore[attr-defined]
+                return Outcome.UPDATED
+        raise DelayedQueueError(f"offer of key {key!r} lost {CAS_ROUNDS} races in a row; retry")
+
+    def offer_batch(
+        self,
+        session: Session,
+        messages: Iterable[OfferInput],
+        *,
+        mode: OfferMode | str = OfferMode.REPLACE,
+    ) -> list[OfferResult]:
+        """Offer many messages: one outcome per message, in input order.
+
+        All input is validated and encoded before any SQL runs. Messages are written in chunks
+        under the backend's parameter limit, with a constant number of statements per chunk. A
+        key repeated in the batch behaves as repeated offers in input order; a key inserted by a
+        concurrent transaction falls back to the single-message path for that key only.
+        """
+        from ._batch import offer_batch
+
+        return offer_batch(self, session, messages, OfferMode.parse(mode))
+
+    # -- poll ----------------------------------------------------------------------------
+
+    def try_poll(self, session: Session, *, lease: timedelta | None = None) -> Envelope[T] | None:
+        """Take the first due message (by ``scheduled_at``, then id), or None."""
+        taken = self.try_poll_many(session, 1, lease=lease)
+        return taken[0] if taken else None
+
+    def try_poll_many(
+        self, session: Session, n: int, *, lease: timedelta | None = None
+    ) -> list[Envelope[T]]:
+        """Take up to ``n`` due messages in schedule order, each with its own lock token.
+
+        Rows whose payload cannot be decoded become dead with the decode error and are skipped,
+        so a poison message never blocks the head of the queue.
+        """
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise InvalidArgument(f"n must be a positive integer, got {n!r}")
+        lease = self.lease if lease is None else require_duration(lease, "lease")
+        strategy = strategy_for(session)
+        envelopes: list[Envelope[T]] = []
+        while len(envelopes) < n:
+            now = self.now()
+            prefix = secrets.token_hex(12) + "."
+            claimed = strategy.claim(
+                session, self.table, self.name, now, now + lease, n - len(envelopes), prefix
+            )
+            if not claimed:
+                break
+            poisoned = 0
+            for c in claimed:
+                envelope = self._envelope(session, c, now)
+                if envelope is None:
+                    poisoned += 1
+                else:
+                    envelopes.append(envelope)
+            if not poisoned:
+                break
+        return envelopes
+
+    def _envelope(self, session: Session, claimed: Claimed, now: datetime) -> Envelope[T] | None:
+        row = claimed.row
+        try:
+            payload = self._decode(row)
+        except DecodeError as exc:
+            self._bury(session, row.id, row.lock_token, row.attempts + 1, error_text(exc), now)
+            return None
+        return Envelope(
+            id=row.id,
+            queue=row.queue,
+            key=row.key,
+            payload=payload,
+            scheduled_at=claimed.prev_scheduled_at,
+            scheduled_at_initially=row.scheduled_at_initially,
+            created_at=row.created_at,
+            delivery=Delivery.FIRST if claimed.prev_token is None else Delivery.REDELIVERY,
+            attempt=row.attempts + 1,
+            lock_token=row.lock_token,
+            lease_until=row.scheduled_at,
+        )
+
+    def _bury(
+        self, session: Session, row_id: int, token: str, attempts: int, error: str, now: datetime
+    ) -> bool:
+        stmt = st.update_by_token(self.table, row_id, token).values(
+            status="dead",
+            scheduled_at=None,
+            lock_token=None,
+            attempts=attempts,
+            last_error=error,
+            last_attempt_at=now,
+        )
+        return bool(session.execute(stmt).rowcount == 1)  # type: ignore[attr-defined]
+
+    # -- settle --------------------------------------------------------------------------
+
+    def ack(self, session: Session, envelope: Envelope[Any]) -> bool:
+        """Acknowledge a taken message: delete it (or mark it done, with retention).
+
+        Guarded by the lock token: if the lease ran out and another consumer took the message,
+        or an offer updated it, nothing happens and False is returned. A second ack is harmless.
+        """
+        t = self.table
+        if self.retention is None:
+            stmt: Any = st.delete_by_token(t, envelope.id, envelope.lock_token)
+        else:
+            stmt = st.update_by_token(t, envelope.id, envelope.lock_token).values(
+                status="done", scheduled_at=None, lock_token=None, last_attempt_at=self.now()
+            )
+        return bool(session.execute(stmt).rowcount == 1)
+
+    def ack_many(self, session: Session, envelopes: Sequence[Envelope[Any]]) -> int:
+        """Acknowledge a batch in one statement; returns how many still held their lease."""
+        if not envelopes:
+            return 0
+        from ._batch import ack_many
+
+        return ack_many(self, session, envelopes)
+
+    def nack(
+        self,
+        session: Session,
+        envelope: Envelope[Any],
+        error: BaseException | str,
+        at: datetime | None = None,
+    ) -> NackOutcome:
+        """Record a failed attempt: store the error, then retry later or bury the message.
+
+        The retry time is ``at`` when given, else the retry policy's delay. After
+        ``max_attempts`` failed attempts the message is dead: never polled again, kept with
+        its last error until requeued or dropped.
+        """
+        now = self.now()
+        attempts = envelope.attempt
+        text = error_text(error)
+        if attempts >= self.retry_policy.max_attempts:
+            buried = self._bury(session, envelope.id, envelope.lock_token, attempts, text, now)
+            return NackOutcome.DEAD if buried else NackOutcome.STALE
+        when = (
+            require_aware(at, "at") if at is not None else now + self.retry_policy.delay(attempts)
+        )
+        stmt = st.update_by_token(self.table, envelope.id, envelope.lock_token).values(
+            scheduled_at=when,
+            lock_token=None,
+            attempts=attempts,
+            last_error=text,
+            last_attempt_at=now,
+        )
+        updated = session.execute(stmt).rowcount == 1  # type: ignore[attr-defined]
+        return NackOutcome.RETRY_SCHEDULED if updated else NackOutcome.STALE
+
+    retry = nack
+
+    def release(self, session: Session, envelope: Envelope[Any]) -> bool:
+        """Give a taken message back, due now, without counting an attempt."""
+        stmt = st.update_by_token(self.table, envelope.id, envelope.lock_token).values(
+            scheduled_at=self.now(), lock_token=None
+        )
+        return bool(session.execute(stmt).rowcount == 1)  # type: ignore[attr-defined]
+
+    def extend(
+        self, session: Session, envelope: Envelope[T], lease: timedelta | None = None
+    ) -> Envelope[T] | None:
+        """Lengthen a lease to ``now + lease``; None when the lease was already lost."""
+        lease = self.lease if lease is None else require_duration(lease, "lease")
+        until = self.now() + lease
+        stmt = st.update_by_token(self.table, envelope.id, envelope.lock_token).values(
+            scheduled_at=until
+        )
+        if session.execute(stmt).rowcount != 1:  # type: ignore[attr-defined]
+            return None
+        from dataclasses import replace
+
+        return replace(envelope, lease_until=until)

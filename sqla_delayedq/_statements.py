@@ -1,0 +1,216 @@
+"""Pure statement builders: each returns a Core construct and does no I/O.
+
+Unit tests compile them for each dialect and read the SQL; operations execute them on the
+caller's Session. Every value is a bound parameter, so SQLAlchemy's compiled-statement cache
+serves repeated calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any, Literal
+
+from sqlalchemy import String, Table, and_, case, cast, delete, func, literal, select, update
+from sqlalchemy.sql import ColumnElement, Delete, Select, Update
+
+Lock = Literal["update", "share", "update_skip_locked"] | None
+
+# Every column of a message row, in a fixed order, for selects and RETURNING.
+ROW_COLUMNS = (
+    "id",
+    "queue",
+    "key",
+    "payload_type",
+    "payload",
+    "payload_bytes",
+    "status",
+    "scheduled_at",
+    "scheduled_at_initially",
+    "created_at",
+    "lock_token",
+    "attempts",
+    "last_attempt_at",
+    "last_error",
+)
+
+
+def columns(t: Table) -> list[Any]:
+    return [t.c[name] for name in ROW_COLUMNS]
+
+
+def with_lock(stmt: Select[Any], lock: Lock) -> Select[Any]:
+    if lock == "update":
+        return stmt.with_for_update()
+    if lock == "share":
+        return stmt.with_for_update(read=True)
+    if lock == "update_skip_locked":
+        return stmt.with_for_update(skip_locked=True)
+    return stmt
+
+
+def select_by_key(t: Table, queue: str, key: str, lock: Lock = None) -> Select[Any]:
+    stmt = select(*columns(t)).where(t.c.queue == queue, t.c.key == key)
+    return with_lock(stmt, lock)
+
+
+def select_by_keys(t: Table, queue: str, keys: Sequence[str], lock: Lock = None) -> Select[Any]:
+    stmt = select(*columns(t)).where(t.c.queue == queue, t.c.key.in_(keys)).order_by(t.c.key)
+    return with_lock(stmt, lock)
+
+
+def due_filter(t: Table, queue: str, now: datetime) -> ColumnElement[bool]:
+    return and_(t.c.queue == queue, t.c.scheduled_at <= now)
+
+
+def select_due(t: Table, queue: str, now: datetime, limit: int, lock: Lock) -> Select[Any]:
+    """Due messages of one queue in schedule order: a range scan of the ``due`` index."""
+    stmt = (
+        select(*columns(t))
+        .where(due_filter(t, queue, now))
+        .order_by(t.c.scheduled_at, t.c.id)
+        .limit(limit)
+    )
+    return with_lock(stmt, lock)
+
+
+def token_expr(t: Table, prefix: str) -> ColumnElement[str]:
+    """A per-row lock token: a random per-take prefix joined to the row id."""
+    return literal(prefix, String) + cast(t.c.id, String)
+
+
+def claim_returning(
+    t: Table, queue: str, now: datetime, lease_until: datetime, limit: int, prefix: str
+) -> Update:
+    """PostgreSQL: pick with ``SKIP LOCKED`` and take in one statement.
+
+    ``RETURNING`` carries the picked row's previous lock token and due time, so delivery
+    (first or redelivery) is decided from the row as it was before the take.
+    """
+    picked = (
+        select(
+            t.c.id.label("id"),
+            t.c.lock_token.label("prev_token"),
+            t.c.scheduled_at.label("prev_scheduled_at"),
+        )
+        .where(due_filter(t, queue, now))
+        .order_by(t.c.scheduled_at, t.c.id)
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+        .cte("picked")
+    )
+    return (
+        update(t)
+        .where(t.c.id == picked.c.id)
+        .values(scheduled_at=lease_until, lock_token=token_expr(t, prefix))
+        .returning(*columns(t), picked.c.prev_token, picked.c.prev_scheduled_at)
+    )
+
+
+def take_ids(
+    t: Table, ids: Sequence[int], now: datetime, lease_until: datetime, prefix: str
+) -> Update:
+    """Take already-picked rows; the ``scheduled_at <= now`` guard makes it a compare-and-swap."""
+    return (
+        update(t)
+        .where(t.c.id.in_(ids), t.c.scheduled_at <= now)
+        .values(scheduled_at=lease_until, lock_token=token_expr(t, prefix))
+    )
+
+
+def guarded_update(
+    t: Table, row_id: int, seen_scheduled_at: datetime | None, seen_token: str | None
+) -> Update:
+    """Update one row only if it is still as it was read (compare-and-swap)."""
+    return update(t).where(
+        t.c.id == row_id,
+        t.c.scheduled_at.is_not_distinct_from(seen_scheduled_at),
+        t.c.lock_token.is_not_distinct_from(seen_token),
+    )
+
+
+def by_token(t: Table, row_id: int, token: str) -> ColumnElement[bool]:
+    return and_(t.c.id == row_id, t.c.lock_token == token)
+
+
+def delete_by_token(t: Table, row_id: int, token: str) -> Delete:
+    return delete(t).where(by_token(t, row_id, token))
+
+
+def update_by_token(t: Table, row_id: int, token: str) -> Update:
+    return update(t).where(by_token(t, row_id, token))
+
+
+def count_by_state(t: Table, queue: str, now: datetime) -> Select[Any]:
+    """Counts per state for one queue in one scan of its rows."""
+    leased = and_(t.c.status == "pending", t.c.lock_token.is_not(None), t.c.scheduled_at > now)
+    due = and_(t.c.status == "pending", t.c.scheduled_at <= now)
+    later = and_(t.c.status == "pending", t.c.lock_token.is_(None), t.c.scheduled_at > now)
+
+    def n(cond: ColumnElement[bool]) -> Any:
+        return func.coalesce(func.sum(case((cond, 1), else_=0)), 0)
+
+    return select(
+        n(due).label("due"),
+        n(later).label("scheduled"),
+        n(leased).label("in_flight"),
+        n(t.c.status == "dead").label("dead"),
+        n(t.c.status == "done").label("done"),
+    ).where(t.c.queue == queue)
+
+
+def state_clause(t: Table, state: str, now: datetime) -> ColumnElement[bool]:
+    """SQL for one :class:`~sqla_delayedq.State` value."""
+    pending = t.c.status == "pending"
+    if state == "due":
+        return and_(pending, t.c.scheduled_at <= now)
+    if state == "scheduled":
+        return and_(pending, t.c.lock_token.is_(None), t.c.scheduled_at > now)
+    if state == "in_flight":
+        return and_(pending, t.c.lock_token.is_not(None), t.c.scheduled_at > now)
+    if state == "pending":
+        return pending
+    return t.c.status == state
+
+
+def payload_field(t: Table, name: str, value: Any) -> ColumnElement[bool]:
+    """Equality on a top-level JSON payload field, typed by the Python value."""
+    element = t.c.payload[name]
+    if isinstance(value, bool):
+        return element.as_boolean() == value
+    if isinstance(value, int):
+        return element.as_integer() == value
+    if isinstance(value, float):
+        return element.as_float() == value
+    return element.as_string() == str(value)
+
+
+def filter_clause(
+    t: Table,
+    queue: str,
+    now: datetime,
+    *,
+    state: str | None = None,
+    key_prefix: str | None = None,
+    keys: Sequence[str] | None = None,
+    payload: dict[str, Any] | None = None,
+    scheduled_before: datetime | None = None,
+    scheduled_after: datetime | None = None,
+    where: Any = None,
+) -> ColumnElement[bool]:
+    conds: list[Any] = [t.c.queue == queue]
+    if state is not None:
+        conds.append(state_clause(t, state, now))
+    if key_prefix:
+        conds.append(t.c.key.startswith(key_prefix, autoescape=True))
+    if keys is not None:
+        conds.append(t.c.key.in_(list(keys)))
+    for name, value in (payload or {}).items():
+        conds.append(payload_field(t, name, value))
+    if scheduled_before is not None:
+        conds.append(t.c.scheduled_at < scheduled_before)
+    if scheduled_after is not None:
+        conds.append(t.c.scheduled_at >= scheduled_after)
+    if where is not None:
+        conds.append(where)
+    return and_(*conds)

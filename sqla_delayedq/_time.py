@@ -1,0 +1,80 @@
+"""UTC time: the column type, validation of arguments, and the injectable clock.
+
+The API takes and returns timezone-aware UTC datetimes. Storage keeps microseconds on every
+backend (``timestamptz`` on PostgreSQL, ``DATETIME(6)`` on MariaDB/MySQL, ISO text on SQLite),
+the same precision as Python's ``datetime``, so every value round-trips exactly and an identical
+re-offer compares equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from sqlalchemy import DateTime
+from sqlalchemy.dialects import mysql
+from sqlalchemy.engine import Dialect
+from sqlalchemy.types import TypeDecorator
+
+from .errors import InvalidArgument
+
+UTC = timezone.utc
+
+Clock = Callable[[], datetime]
+"""A zero-argument callable returning the current time as an aware datetime."""
+
+
+def system_clock() -> datetime:
+    """The wall clock, in UTC."""
+    return datetime.now(UTC)
+
+
+def require_aware(value: datetime, name: str = "datetime") -> datetime:
+    """Return ``value`` in UTC; reject naive datetimes with :class:`InvalidArgument`."""
+    if not isinstance(value, datetime):
+        raise InvalidArgument(f"{name} must be a datetime, got {type(value).__name__}")
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise InvalidArgument(
+            f"{name} is a naive datetime ({value.isoformat()}); pass an aware one, "
+            "e.g. datetime.now(timezone.utc)"
+        )
+    return value.astimezone(UTC)
+
+
+def require_duration(value: timedelta, name: str, *, allow_zero: bool = False) -> timedelta:
+    """Validate a lease or delay: a ``timedelta`` that is positive (or zero when allowed)."""
+    if not isinstance(value, timedelta):
+        raise InvalidArgument(f"{name} must be a timedelta, got {type(value).__name__}")
+    if value < timedelta(0) or (value == timedelta(0) and not allow_zero):
+        raise InvalidArgument(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+    return value
+
+
+class DateTimeUTC(TypeDecorator[datetime]):
+    """A timestamp column that only accepts aware datetimes and always returns UTC ones."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> Any:
+        if dialect.name in ("mysql", "mariadb"):
+            return dialect.type_descriptor(mysql.DATETIME(fsp=6))
+        return dialect.type_descriptor(DateTime(timezone=True))
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        value = require_aware(value)
+        if dialect.name == "postgresql":
+            return value
+        return value.replace(tzinfo=None)
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if isinstance(value, str):  # SQLite returns text when read through a raw expression
+            value = datetime.fromisoformat(value)
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)

@@ -1,0 +1,174 @@
+"""Value objects of the public API: outcomes, envelopes, filters, counts. All frozen."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Generic, TypeVar
+
+from .errors import InvalidArgument
+
+T = TypeVar("T")
+
+__all__ = [
+    "Delivery",
+    "Envelope",
+    "MessageFilter",
+    "MessageInfo",
+    "NackOutcome",
+    "OfferMode",
+    "OfferResult",
+    "Outcome",
+    "QueueCounts",
+    "State",
+]
+
+
+class Outcome(enum.Enum):
+    """What an offer did."""
+
+    CREATED = "created"
+    UPDATED = "updated"
+    IGNORED = "ignored"
+
+
+class OfferMode(enum.Enum):
+    """How an offer treats a key that already exists in the queue."""
+
+    #: Update payload and schedule; an identical message is ``IGNORED``.
+    REPLACE = "replace"
+    #: Update the payload only, keeping the schedule; an identical payload is ``IGNORED``.
+    KEEP_SCHEDULE = "keep_schedule"
+    #: Never update an existing key: ``IGNORED``.
+    SKIP = "skip"
+
+    @classmethod
+    def parse(cls, mode: OfferMode | str) -> OfferMode:
+        if isinstance(mode, cls):
+            return mode
+        try:
+            return cls(mode)
+        except ValueError:
+            names = ", ".join(m.value for m in cls)
+            raise InvalidArgument(f"unknown offer mode {mode!r}; use one of: {names}") from None
+
+
+class Delivery(enum.Enum):
+    """Whether a take is the message's first, or follows a lease that ran out."""
+
+    FIRST = "first"
+    REDELIVERY = "redelivery"
+
+
+class NackOutcome(enum.Enum):
+    """What a nack did."""
+
+    RETRY_SCHEDULED = "retry_scheduled"
+    DEAD = "dead"
+    #: The lock token no longer matched (lease lost, or the message was updated): no change.
+    STALE = "stale"
+
+
+class State(enum.Enum):
+    """Where a message stands, as searched and counted."""
+
+    DUE = "due"  # pending and due now (includes expired leases)
+    SCHEDULED = "scheduled"  # pending, due later, not leased
+    IN_FLIGHT = "in_flight"  # leased by a consumer and the lease has not run out
+    PENDING = "pending"  # any of the three above
+    DEAD = "dead"
+    DONE = "done"  # acknowledged and kept by retention
+
+    @classmethod
+    def parse(cls, state: State | str) -> State:
+        if isinstance(state, cls):
+            return state
+        try:
+            return cls(state)
+        except ValueError:
+            names = ", ".join(s.value for s in cls)
+            raise InvalidArgument(f"unknown state {state!r}; use one of: {names}") from None
+
+
+@dataclass(frozen=True)
+class OfferResult:
+    key: str
+    outcome: Outcome
+
+
+@dataclass(frozen=True)
+class Envelope(Generic[T]):
+    """A taken message. Pass it back to ack, nack, release or extend."""
+
+    id: int
+    queue: str
+    key: str
+    payload: T
+    #: When the message was due before this take.
+    scheduled_at: datetime
+    scheduled_at_initially: datetime
+    created_at: datetime
+    delivery: Delivery
+    #: 1 for the first attempt; failures before this take plus one.
+    attempt: int
+    lock_token: str
+    lease_until: datetime
+
+    @property
+    def redelivered(self) -> bool:
+        return self.delivery is Delivery.REDELIVERY
+
+
+@dataclass(frozen=True)
+class MessageInfo:
+    """A stored message as the read side shows it."""
+
+    id: int
+    queue: str
+    key: str
+    payload_type: str
+    #: The decoded payload, or ``None`` when it cannot be decoded (see ``decode_error``).
+    payload: Any
+    status: str
+    state: State
+    scheduled_at: datetime | None
+    scheduled_at_initially: datetime
+    created_at: datetime
+    attempts: int
+    last_attempt_at: datetime | None
+    last_error: str | None
+    lock_token: str | None
+    decode_error: str | None = None
+
+
+@dataclass(frozen=True)
+class QueueCounts:
+    due: int
+    scheduled: int
+    in_flight: int
+    dead: int
+    done: int
+
+    @property
+    def pending(self) -> int:
+        return self.due + self.scheduled + self.in_flight
+
+
+@dataclass(frozen=True)
+class MessageFilter:
+    """Which messages a search or an admin operation applies to (all conditions combined).
+
+    ``payload`` matches top-level fields of JSON payloads by equality, e.g.
+    ``MessageFilter(payload={"companyId": 3345})``; ``where`` adds any SQLAlchemy condition on
+    the model's columns.
+    """
+
+    state: State | str | None = None
+    key_prefix: str | None = None
+    keys: tuple[str, ...] | None = None
+    payload: Mapping[str, Any] = field(default_factory=dict)
+    scheduled_before: datetime | None = None
+    scheduled_after: datetime | None = None
+    where: Any = None

@@ -1,0 +1,1 @@
+pytest_plugins = ("tests.fix_db", "tests.fix_queue")
