@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
 
 from sqla_delayedq import DelayedQueue
 
@@ -43,3 +46,18 @@ def make_queue(clock: FakeClock) -> Callable[..., DelayedQueue[Any]]:
         return DelayedQueue(name, **kwargs)
 
     return make
+
+
+@contextlib.contextmanager
+def record_sql(engine: Engine) -> Iterator[list[str]]:
+    """Collect the SQL text of every statement the engine sends while the block runs."""
+    statements: list[str] = []
+
+    def listener(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        statements.append(statement)
+
+    event.listen(engine, "before_cursor_execute", listener)
+    try:
+        yield statements
+    finally:
+        event.remove(engine, "before_cursor_execute", listener)

@@ -1,0 +1,269 @@
+"""Conformance: offer, poll and ack on every backend, inside the caller's transaction."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+import sqlalchemy as sa
+
+from sqla_delayedq import (
+    BytesSerializer,
+    DecodeError,
+    Delivery,
+    DelayedMessage,
+    DelayedQueueError,
+    EncodeError,
+    InvalidArgument,
+    JsonSerializer,
+    OfferMode,
+    Outcome,
+)
+from sqla_delayedq.models import KEY_MAX, QUEUE_MAX
+from tests.fix_queue import record_sql
+
+T = DelayedMessage.__table__
+
+
+def row_count(backend, queue: str | None = None) -> int:
+    with backend.engine.connect() as conn:
+        stmt = sa.select(sa.func.count()).select_from(T)
+        if queue:
+            stmt = stmt.where(T.c.queue == queue)
+        return conn.execute(stmt).scalar_one()
+
+
+def test_offer_commits_with_the_callers_transaction(backend, make_queue):
+    q = make_queue()
+    with backend.Session() as s, s.begin():
+        assert q.offer(s, "k1", {"n": 1}).outcome is Outcome.CREATED
+    assert row_count(backend) == 1
+
+
+def test_rolled_back_transaction_leaves_no_message(backend, make_queue):
+    q = make_queue()
+    with pytest.raises(RuntimeError), backend.Session() as s, s.begin():
+        q.offer(s, "k1", {"n": 1})
+        raise RuntimeError("the caller's own write failed")
+    assert row_count(backend) == 0
+
+
+def test_offer_modes_and_outcomes(backend, make_queue, clock):
+    q = make_queue()
+    at = clock() + timedelta(minutes=5)
+    with backend.Session() as s, s.begin():
+        assert q.offer(s, "k", {"v": 1}, at).outcome is Outcome.CREATED
+        assert q.offer(s, "k", {"v": 1}, at).outcome is Outcome.IGNORED
+        assert q.offer(s, "k", {"v": 2}, at, mode="skip").outcome is Outcome.IGNORED
+        assert q.get(s, "k").payload == {"v": 1}
+        later = at + timedelta(minutes=1)
+        assert q.offer(s, "k", {"v": 1}, later).outcome is Outcome.UPDATED
+        assert q.get(s, "k").scheduled_at == later
+        assert q.offer(s, "k", {"v": 3}, at, mode=OfferMode.KEEP_SCHEDULE).outcome is Outcome.UPDATED
+        info = q.get(s, "k")
+        assert (info.payload, info.scheduled_at) == ({"v": 3}, later)
+        assert q.offer(s, "k", {"v": 3}, at, mode="keep_schedule").outcome is Outcome.IGNORED
+    assert row_count(backend) == 1
+
+
+def test_offer_without_time_is_due_now_and_identical_reoffer_is_ignored(backend, make_queue, clock):
+    q = make_queue()
+    with backend.Session() as s, s.begin():
+        assert q.offer(s, "k", {"a": 1}).outcome is Outcome.CREATED
+        clock.advance(10)
+        assert q.offer(s, "k", {"a": 1}).outcome is Outcome.IGNORED
+        assert q.offer(s, "k", {"a": 2}).outcome is Outcome.UPDATED
+        assert q.get(s, "k").scheduled_at == clock()
+
+
+def test_generated_key(backend, make_queue):
+    q = make_queue()
+    with backend.Session() as s, s.begin():
+        r = q.offer(s, None, {"x": 1})
+        assert r.outcome is Outcome.CREATED and len(r.key) == 32
+        assert q.contains(s, r.key)
+
+
+def test_times_round_trip_exactly(backend, make_queue, clock):
+    q = make_queue()
+    at = datetime(2031, 3, 4, 5, 6, 7, 891011, tzinfo=timezone(timedelta(hours=2)))
+    with backend.Session() as s, s.begin():
+        q.offer(s, "k", {"x": 1}, at)
+    with backend.Session() as s:
+        info = q.get(s, "k")
+        assert info.scheduled_at == at and info.scheduled_at.tzinfo == timezone.utc
+        assert info.scheduled_at.microsecond == 891011
+        assert info.created_at == clock()
+    with backend.Session() as s, s.begin():
+        assert q.offer(s, "k", {"x": 1}, at).outcome is Outcome.IGNORED
+
+
+def test_poll_order_is_schedule_then_id(backend, make_queue, clock):
+    q = make_queue()
+    now = clock()
+    with backend.Session() as s, s.begin():
+        q.offer(s, "late", 1, now - timedelta(seconds=1))
+        q.offer(s, "early-b", 2, now - timedelta(seconds=5))
+        q.offer(s, "early-a", 3, now - timedelta(seconds=5))
+        q.offer(s, "future", 4, now + timedelta(seconds=5))
+    order = []
+    with backend.Session() as s, s.begin():
+        while (env := q.try_poll(s)) is not None:
+            order.append(env.key)
+    assert order == ["early-b", "early-a", "late"]
+
+
+def test_poll_returns_a_full_envelope(backend, make_queue, clock):
+    q = make_queue(lease=timedelta(seconds=30))
+    at = clock() - timedelta(seconds=3)
+    with backend.Session() as s, s.begin():
+        q.offer(s, "k", {"hello": "world"}, at)
+    with backend.Session() as s, s.begin():
+        env = q.try_poll(s)
+    assert env is not None
+    assert (env.key, env.payload, env.queue) == ("k", {"hello": "world"}, "q")
+    assert env.scheduled_at == at and env.scheduled_at_initially == at
+    assert env.created_at == clock()
+    assert env.delivery is Delivery.FIRST and env.attempt == 1
+    assert env.lease_until == clock() + timedelta(seconds=30)
+    assert env.lock_token
+    with backend.Session() as s, s.begin():
+        assert q.try_poll(s) is None  # leased: invisible to other consumers
+
+
+def test_queues_share_a_table_but_not_messages(backend, make_queue):
+    a, b = make_queue("a"), make_queue("b")
+    with backend.Session() as s, s.begin():
+        a.offer(s, "same-key", {"q": "a"})
+        b.offer(s, "same-key", {"q": "b"})
+    with backend.Session() as s, s.begin():
+        assert a.try_poll(s).payload == {"q": "a"}
+        assert a.try_poll(s) is None
+        assert b.try_poll(s).payload == {"q": "b"}
+
+
+def test_keys_are_case_sensitive(backend, make_queue):
+    q = make_queue()
+    with backend.Session() as s, s.begin():
+        assert q.offer(s, "Key", 1).outcome is Outcome.CREATED
+        assert q.offer(s, "key", 2).outcome is Outcome.CREATED
+
+
+def test_ack_deletes_and_a_second_ack_is_harmless(backend, make_queue):
+    q = make_queue()
+    with backend.Session() as s, s.begin():
+        q.offer(s, "k", 1)
+    with backend.Session() as s, s.begin():
+        env = q.try_poll(s)
+    with backend.Session() as s, s.begin():
+        assert q.ack(s, env) is True
+        assert q.ack(s, env) is False
+    assert row_count(backend) == 0
+
+
+def test_expired_lease_is_redelivered_and_the_late_ack_loses(backend, make_queue, clock):
+    q = make_queue(lease=timedelta(seconds=10))
+    with backend.Session() as s, s.begin():
+        q.offer(s, "k", {"v": 1})
+    with backend.Session() as s, s.begin():
+        first = q.try_poll(s)
+    clock.advance(11)
+    with backend.Session() as s, s.begin():
+        second = q.try_poll(s)
+    assert second is not None and second.key == "k"
+    assert second.delivery is Delivery.REDELIVERY and second.lock_token != first.lock_token
+    with backend.Session() as s, s.begin():
+        assert q.ack(s, first) is False  # the first consumer's late ack does not delete it
+    assert row_count(backend) == 1
+    with backend.Session() as s, s.begin():
+        assert q.ack(s, second) is True
+    assert row_count(backend) == 0
+
+
+def test_update_after_take_wins_over_ack(backend, make_queue):
+    q = make_queue()
+    with backend.Session() as s, s.begin():
+        q.offer(s, "k", {"v": 1})
+    with backend.Session() as s, s.begin():
+        env = q.try_poll(s)
+    with backend.Session() as s, s.begin():
+        assert q.offer(s, "k", {"v": 2}).outcome is Outcome.UPDATED
+    with backend.Session() as s, s.begin():
+        assert q.ack(s, env) is False
+        again = q.try_poll(s)
+        assert again.payload == {"v": 2} and again.delivery is Delivery.FIRST
+
+
+def test_transactional_mode_rollback_makes_the_message_due_again(backend, make_queue):
+    q = make_queue()
+    with backend.Session() as s, s.begin():
+        q.offer(s, "k", {"v": 1})
+    with pytest.raises(RuntimeError), backend.Session() as s, s.begin():
+        env = q.try_poll(s)
+        q.ack(s, env)
+        raise RuntimeError("handler crashed inside the transaction")
+    with backend.Session() as s, s.begin():
+        env = q.try_poll(s)
+        assert env is not None and env.delivery is Delivery.FIRST
+
+
+def test_bytes_serializer(backend, make_queue):
+    q = make_queue(serializer=BytesSerializer())
+    with backend.Session() as s, s.begin():
+        q.offer(s, "k", b"\x00\xffraw")
+        assert q.offer(s, "k", b"\x00\xffraw").outcome is Outcome.IGNORED
+    with backend.Session() as s, s.begin():
+        assert q.try_poll(s).payload == b"\x00\xffraw"
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda q, s: q.offer(s, "", 1), "key must not be empty"),
+        (lambda q, s: q.offer(s, "k" * (KEY_MAX + 1), 1), "limit is 200"),
+        (lambda q, s: q.offer(s, 123, 1), "key must be a string"),
+        (lambda q, s: q.offer(s, "k", 1, datetime(2030, 1, 1)), "naive datetime"),
+        (lambda q, s: q.offer(s, "k", 1, mode="upsert"), "unknown offer mode"),
+        (lambda q, s: q.offer(s, "k", {1, 2}), "not JSON-serializable"),
+        (lambda q, s: q.offer(s, "k", float("nan")), "not JSON-serializable"),
+        (lambda q, s: q.try_poll(s, lease=timedelta(seconds=-1)), "lease must be > 0"),
+        (lambda q, s: q.try_poll_many(s, 0), "positive integer"),
+        (lambda q, s: q.offer_batch(s, [("ok", 1), ("bad",)]), r"messages\[1\]"),
+        (lambda q, s: q.offer_batch(s, [("ok", 1), ("k", 1, datetime(2030, 1, 1))]), "naive"),
+    ],
+)
+def test_bad_input_is_refused_before_any_sql(backend, make_queue, call, message):
+    q = make_queue()
+    with record_sql(backend.engine) as statements, backend.Session() as s, s.begin():
+        with pytest.raises(InvalidArgument, match=message) as info:
+            call(q, s)
+        assert isinstance(info.value, (DelayedQueueError, ValueError))
+        assert not [x for x in statements if "delayed_queue" in x]
+    assert row_count(backend) == 0
+
+
+def test_bad_queue_settings_are_refused(clock):
+    from sqla_delayedq import DelayedQueue
+
+    for name in ("", "q" * (QUEUE_MAX + 1)):
+        with pytest.raises(InvalidArgument):
+            DelayedQueue(name)
+    with pytest.raises(InvalidArgument, match="lease"):
+        DelayedQueue("q", lease=timedelta(0))
+    with pytest.raises(InvalidArgument, match="naive"):
+        DelayedQueue("q", clock=lambda: datetime(2030, 1, 1)).now()
+    with pytest.raises(EncodeError):
+        DelayedQueue("q", serializer=BytesSerializer())._encode("not bytes")  # type: ignore[arg-type]
+
+
+def test_payload_type_is_recorded_and_checked(backend, make_queue):
+    writer = make_queue(serializer=JsonSerializer("order.v1"))
+    reader = make_queue(serializer=JsonSerializer("order.v2"))
+    with backend.Session() as s, s.begin():
+        writer.offer(s, "k", {"id": 1})
+        assert writer.get(s, "k").payload_type == "order.v1"
+    with backend.Session() as s, s.begin():
+        assert reader.try_poll(s) is None  # mismatched type: buried, not delivered
+        info = reader.get(s, "k")
+        assert info.status == "dead" and "order.v1" in info.last_error
+        assert isinstance(DecodeError("x"), DelayedQueueError)
