@@ -11,8 +11,24 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, Literal
 
-from sqlalchemy import String, Table, and_, case, cast, delete, func, literal, select, update
+from sqlalchemy import (
+    BigInteger,
+    String,
+    Table,
+    and_,
+    any_,
+    case,
+    cast,
+    delete,
+    func,
+    literal,
+    select,
+    update,
+)
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql import ColumnElement, Delete, Select, Update
+from sqlalchemy.sql.visitors import InternalTraversal
 
 Lock = Literal["update", "share", "update_skip_locked"] | None
 
@@ -74,6 +90,27 @@ def select_due(t: Table, queue: str, now: datetime, limit: int, lock: Lock) -> S
     return with_lock(stmt, lock)
 
 
+class ArrayOf(ColumnElement[Any]):
+    """PostgreSQL's ``ARRAY(subquery)``: the subquery's rows as one array value.
+
+    ``id = ANY(ARRAY(SELECT id FROM picked))`` is evaluated once, before the scan, so the
+    planner probes the primary key instead of hash-joining a sequential scan of the table.
+    """
+
+    inherit_cache = True
+
+    def __init__(self, subquery: Select[Any]) -> None:
+        self.subquery = subquery
+        self.type = postgresql.ARRAY(BigInteger())
+
+    _traverse_internals = [("subquery", InternalTraversal.dp_clauseelement)]
+
+
+@compiles(ArrayOf, "postgresql")
+def _compile_array_of(element: ArrayOf, compiler: Any, **kw: Any) -> str:
+    return f"ARRAY({compiler.process(element.subquery, **kw)})"
+
+
 def token_expr(t: Table, prefix: str) -> ColumnElement[str]:
     """A per-row lock token: a random per-take prefix joined to the row id."""
     return literal(prefix, String) + cast(t.c.id, String)
@@ -101,7 +138,7 @@ def claim_returning(
     )
     return (
         update(t)
-        .where(t.c.id == picked.c.id)
+        .where(t.c.id == picked.c.id, t.c.id == any_(ArrayOf(select(picked.c.id))))
         .values(scheduled_at=lease_until, lock_token=token_expr(t, prefix))
         .returning(*columns(t), picked.c.prev_token, picked.c.prev_scheduled_at)
     )

@@ -10,9 +10,9 @@ import sqlalchemy as sa
 from sqla_delayedq import (
     BytesSerializer,
     DecodeError,
-    Delivery,
     DelayedMessage,
     DelayedQueueError,
+    Delivery,
     EncodeError,
     InvalidArgument,
     JsonSerializer,
@@ -59,7 +59,9 @@ def test_offer_modes_and_outcomes(backend, make_queue, clock):
         later = at + timedelta(minutes=1)
         assert q.offer(s, "k", {"v": 1}, later).outcome is Outcome.UPDATED
         assert q.get(s, "k").scheduled_at == later
-        assert q.offer(s, "k", {"v": 3}, at, mode=OfferMode.KEEP_SCHEDULE).outcome is Outcome.UPDATED
+        assert (
+            q.offer(s, "k", {"v": 3}, at, mode=OfferMode.KEEP_SCHEDULE).outcome is Outcome.UPDATED
+        )
         info = q.get(s, "k")
         assert (info.payload, info.scheduled_at) == ({"v": 3}, later)
         assert q.offer(s, "k", {"v": 3}, at, mode="keep_schedule").outcome is Outcome.IGNORED

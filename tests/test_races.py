@@ -1,0 +1,128 @@
+"""Races run for real on PostgreSQL and MariaDB: many threads, one database, counted deliveries."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import sqlalchemy as sa
+
+from sqla_delayedq import DelayedMessage, DelayedQueue, Outcome, is_transient
+
+T = DelayedMessage.__table__
+
+
+def in_transaction(backend, fn, attempts: int = 20) -> Any:
+    """Run ``fn(session)`` in a transaction, retrying transient errors as a user would."""
+    for attempt in range(attempts):
+        try:
+            with backend.Session() as s, s.begin():
+                return fn(s)
+        except Exception as exc:
+            if not is_transient(exc) or attempt == attempts - 1:
+                raise
+            time.sleep(0.01 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def test_ten_threads_offer_one_new_key_exactly_one_created(server_backend):
+    q = DelayedQueue("race")
+    barrier = threading.Barrier(10)
+
+    def offer(i: int) -> Outcome:
+        with server_backend.Session() as s, s.begin():
+            barrier.wait()
+            return q.offer(s, "the-key", {"same": True}).outcome
+
+    with ThreadPoolExecutor(10) as pool:
+        outcomes = list(pool.map(offer, range(10)))
+    assert outcomes.count(Outcome.CREATED) == 1
+    assert outcomes.count(Outcome.IGNORED) == 9
+    with server_backend.engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(T)).scalar_one() == 1
+
+
+def test_ten_threads_offer_different_payloads_exactly_one_created(server_backend):
+    q = DelayedQueue("race")
+    barrier = threading.Barrier(10)
+
+    def offer(i: int) -> Outcome:
+        def attempt(s):
+            return q.offer(s, "the-key", {"writer": i}).outcome
+
+        barrier.wait()
+        return in_transaction(server_backend, attempt)
+
+    with ThreadPoolExecutor(10) as pool:
+        outcomes = list(pool.map(offer, range(10)))
+    assert outcomes.count(Outcome.CREATED) == 1
+    assert outcomes.count(Outcome.UPDATED) + outcomes.count(Outcome.IGNORED) == 9
+    with server_backend.engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(T)).scalar_one() == 1
+
+
+def test_eight_consumers_drain_2000_messages_each_exactly_once(server_backend):
+    q = DelayedQueue("drain", lease=timedelta(minutes=5))
+    total = 2000
+    with server_backend.Session() as s, s.begin():
+        results = q.offer_batch(s, [(f"m{i:05d}", {"i": i}) for i in range(total)])
+    assert all(r.outcome is Outcome.CREATED for r in results)
+
+    delivered: list[str] = []  # a list, not a set: duplicates must show
+    lock = threading.Lock()
+
+    def consume() -> None:
+        idle = 0
+        while idle < 3:
+
+            def take_and_ack(s):
+                env = q.try_poll(s)
+                if env is not None:
+                    assert q.ack(s, env)
+                return env
+
+            env = in_transaction(server_backend, take_and_ack)
+            if env is None:
+                idle += 1
+                continue
+            idle = 0
+            with lock:
+                delivered.append(env.key)
+
+    with ThreadPoolExecutor(8) as pool:
+        for f in [pool.submit(consume) for _ in range(8)]:
+            f.result()
+    duplicates = [k for k, n in Counter(delivered).items() if n > 1]
+    assert duplicates == []
+    assert len(delivered) == total
+    with server_backend.engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(T)).scalar_one() == 0
+
+
+def test_lease_mode_consumers_never_share_a_message(server_backend):
+    """Take and commit, process outside the transaction, ack in a new one (at-least-once)."""
+    q = DelayedQueue("lease", lease=timedelta(minutes=5))
+    total = 600
+    with server_backend.Session() as s, s.begin():
+        q.offer_batch(s, [(f"m{i:04d}", i) for i in range(total)])
+    delivered: list[int] = []
+    lock = threading.Lock()
+
+    def consume() -> None:
+        while True:
+            envs = in_transaction(server_backend, lambda s: q.try_poll_many(s, 7))
+            if not envs:
+                return
+            with lock:
+                delivered.extend(e.payload for e in envs)
+            acked = in_transaction(server_backend, lambda s: q.ack_many(s, envs))
+            assert acked == len(envs)
+
+    with ThreadPoolExecutor(6) as pool:
+        for f in [pool.submit(consume) for _ in range(6)]:
+            f.result()
+    assert sorted(delivered) == list(range(total))
