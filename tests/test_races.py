@@ -126,3 +126,50 @@ def test_lease_mode_consumers_never_share_a_message(server_backend):
         for f in [pool.submit(consume) for _ in range(6)]:
             f.result()
     assert sorted(delivered) == list(range(total))
+
+
+def test_offer_batch_races_single_offers_on_overlapping_keys(server_backend):
+    """5,000-message batch (100 repeats, 500 existing) while 4 threads offer overlapping keys."""
+    q = DelayedQueue("batch-race")
+    with server_backend.Session() as s, s.begin():
+        q.offer_batch(s, [(f"k{i:05d}", {"i": i, "v": "old"}) for i in range(500)])
+    batch = [(f"k{i:05d}", {"i": i, "v": "batch"}) for i in range(4900)]
+    batch += [(f"k{i:05d}", {"i": i, "v": "batch-again"}) for i in range(2000, 2100)]
+    single_keys = [f"k{i:05d}" for i in range(0, 6000, 7)]  # old, batch-new and unseen keys
+    created: list[str] = []
+    lock = threading.Lock()
+    start = threading.Barrier(5)
+
+    def run_batch() -> None:
+        start.wait()
+        results = in_transaction(server_backend, lambda s: q.offer_batch(s, batch))
+        assert [r.key for r in results] == [k for k, _ in batch]
+        with lock:
+            created.extend(r.key for r in results if r.outcome is Outcome.CREATED)
+
+    def run_singles(worker: int) -> None:
+        start.wait()
+        for key in single_keys[worker::4]:
+            result = in_transaction(
+                server_backend, lambda s, key=key: q.offer(s, key, {"v": f"single-{worker}"})
+            )
+            if result.outcome is Outcome.CREATED:
+                with lock:
+                    created.append(key)
+
+    with ThreadPoolExecutor(5) as pool:
+        futures = [pool.submit(run_batch)] + [pool.submit(run_singles, w) for w in range(4)]
+        for f in futures:
+            f.result()
+
+    expected_keys = {k for k, _ in batch} | set(single_keys)
+    new_keys = expected_keys - {f"k{i:05d}" for i in range(500)}
+    assert sorted(created) == sorted(new_keys)  # every new key created exactly once
+    with server_backend.engine.connect() as conn:
+        stored = conn.execute(
+            sa.select(T.c.key, T.c.payload).where(T.c.queue == "batch-race")
+        ).all()
+    assert len(stored) == len(expected_keys)
+    assert {k for k, _ in stored} == expected_keys
+    for key, payload in stored:
+        assert payload["v"] in ("old", "batch", "batch-again") or payload["v"].startswith("single")

@@ -1,0 +1,342 @@
+"""Conformance: batch offer and poll, retries and dead letters, poison, read and admin sides."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import sqlalchemy as sa
+
+from sqla_delayedq import (
+    ConfirmationRequired,
+    DelayedMessage,
+    Delivery,
+    ExponentialBackoff,
+    InvalidArgument,
+    MessageFilter,
+    NackOutcome,
+    Outcome,
+    State,
+)
+from tests.fix_queue import record_sql
+
+T = DelayedMessage.__table__
+
+
+def rows(backend) -> int:
+    with backend.engine.connect() as conn:
+        return conn.execute(sa.select(sa.func.count()).select_from(T)).scalar_one()
+
+
+# -- offer_batch -------------------------------------------------------------------------
+
+
+def test_offer_batch_outcomes_in_input_order(backend, make_queue, clock):
+    q = make_queue()
+    at = clock() + timedelta(minutes=1)
+    with backend.Session() as s, s.begin():
+        q.offer(s, "old-same", {"v": 0}, at)
+        q.offer(s, "old-diff", {"v": 0}, at)
+    with backend.Session() as s, s.begin():
+        results = q.offer_batch(
+            s,
+            [
+                ("new", {"v": 1}, at),
+                ("old-same", {"v": 0}, at),
+                ("old-diff", {"v": 9}, at),
+                ("new", {"v": 1}, at),  # repeated identical: ignored
+                ("new", {"v": 2}, at),  # repeated different: updated
+                (None, {"v": 3}),
+            ],
+        )
+    assert [r.outcome for r in results] == [
+        Outcome.CREATED,
+        Outcome.IGNORED,
+        Outcome.UPDATED,
+        Outcome.IGNORED,
+        Outcome.UPDATED,
+        Outcome.CREATED,
+    ]
+    with backend.Session() as s:
+        assert q.get(s, "new").payload == {"v": 2}
+        assert q.get(s, "old-diff").payload == {"v": 9}
+        assert q.get(s, results[-1].key).payload == {"v": 3}
+    assert rows(backend) == 4
+
+
+def test_offer_batch_modes(backend, make_queue, clock):
+    q = make_queue()
+    at = clock() + timedelta(minutes=1)
+    later = at + timedelta(hours=1)
+    with backend.Session() as s, s.begin():
+        q.offer(s, "a", 1, at)
+        skipped = q.offer_batch(s, [("a", 2, later), ("b", 2, later)], mode="skip")
+        assert [r.outcome for r in skipped] == [Outcome.IGNORED, Outcome.CREATED]
+        kept = q.offer_batch(s, [("a", 3, later)], mode="keep_schedule")
+        assert kept[0].outcome is Outcome.UPDATED
+        info = q.get(s, "a")
+        assert (info.payload, info.scheduled_at) == (3, at)
+
+
+def test_offer_batch_5000_with_repeats_and_existing_keys_is_exact(backend, make_queue, clock):
+    q = make_queue()
+    at = clock()
+    with backend.Session() as s, s.begin():
+        # 500 keys already present: 250 identical to what the batch offers, 250 different.
+        q.offer_batch(s, [(f"k{i:05d}", {"i": i, "old": i % 2 == 1}, at) for i in range(500)])
+    batch = [(f"k{i:05d}", {"i": i, "old": False}, at) for i in range(4900)]
+    batch += [(f"k{i:05d}", {"i": i, "old": False, "again": True}, at) for i in range(1000, 1100)]
+    with record_sql(backend.engine) as statements, backend.Session() as s, s.begin():
+        results = q.offer_batch(s, batch)
+    assert len(results) == 5000
+    got = [r.outcome for r in results]
+    expected = [Outcome.IGNORED if i % 2 == 0 else Outcome.UPDATED for i in range(500)]
+    expected += [Outcome.CREATED] * 4400 + [Outcome.UPDATED] * 100
+    assert got == expected
+    assert [r.key for r in results] == [k for k, _, _ in batch]
+    assert rows(backend) == 4900
+    assert len(statements) <= 20  # a few statements per chunk, never one per message
+    with backend.Session() as s:
+        assert q.get(s, "k01050").payload == {"i": 1050, "old": False, "again": True}
+        assert q.get(s, "k00001").payload == {"i": 1, "old": False}
+
+
+# -- try_poll_many -----------------------------------------------------------------------
+
+
+def test_try_poll_many_in_schedule_order_with_per_message_envelopes(backend, make_queue, clock):
+    q = make_queue(lease=timedelta(seconds=10))
+    now = clock()
+    with backend.Session() as s, s.begin():
+        q.offer_batch(s, [(f"k{i}", i, now - timedelta(seconds=i)) for i in range(6)])
+    with backend.Session() as s, s.begin():
+        first = q.try_poll(s)
+    assert first.key == "k5"
+    clock.advance(11)  # k5's lease runs out: its next take is a redelivery
+    with backend.Session() as s, s.begin():
+        envs = q.try_poll_many(s, 10)
+    # k5's expired lease ends at t0+10, after every other message's due time.
+    assert [e.key for e in envs] == ["k4", "k3", "k2", "k1", "k0", "k5"]
+    assert [e.delivery for e in envs] == [Delivery.FIRST] * 5 + [Delivery.REDELIVERY]
+    assert envs[-1].scheduled_at == first.lease_until  # the due time before this take
+    assert len({e.lock_token for e in envs}) == 6
+    assert all(e.lease_until == clock() + timedelta(seconds=10) for e in envs)
+    with backend.Session() as s, s.begin():
+        assert q.ack(s, first) is False
+        assert q.ack_many(s, envs) == 6
+
+
+def test_try_poll_many_claims_with_one_statement_on_postgresql(pg, make_queue, clock):
+    q = make_queue()
+    with pg.Session() as s, s.begin():
+        q.offer_batch(s, [(f"k{i}", i) for i in range(50)])
+    with record_sql(pg.engine) as statements, pg.Session() as s, s.begin():
+        envs = q.try_poll_many(s, 20)
+    claims = [x for x in statements if "delayed_queue" in x]
+    assert len(claims) == 1 and claims[0].lstrip().startswith("WITH picked")
+    assert len(envs) == 20 and all(e.delivery is Delivery.FIRST for e in envs)
+
+
+# -- failures, retries and dead letters ----------------------------------------------------
+
+
+def test_fails_three_times_then_succeeds(backend, make_queue, clock):
+    policy = ExponentialBackoff(max_attempts=5, initial=timedelta(seconds=1), jitter=0)
+    q = make_queue(retry=policy)
+    with backend.Session() as s, s.begin():
+        q.offer(s, "job", {"n": 1})
+    deliveries = []
+    for attempt in range(1, 5):
+        with backend.Session() as s, s.begin():
+            env = q.try_poll(s)
+            assert env is not None and env.attempt == attempt
+            deliveries.append(env.attempt)
+            if attempt < 4:
+                assert q.nack(s, env, ValueError(f"boom {attempt}")) is NackOutcome.RETRY_SCHEDULED
+                info = q.get(s, "job")
+                assert info.attempts == attempt and f"boom {attempt}" in info.last_error
+                assert info.last_attempt_at == clock()
+                assert info.scheduled_at == clock() + timedelta(seconds=2 ** (attempt - 1))
+                assert q.try_poll(s) is None  # not before the backoff
+            else:
+                assert q.ack(s, env)
+        clock.advance(timedelta(seconds=2**attempt))
+    assert deliveries == [1, 2, 3, 4]
+    with backend.Session() as s:
+        assert q.get(s, "job") is None
+
+
+def test_always_failing_message_is_dead_after_max_attempts(backend, make_queue, clock):
+    q = make_queue(retry=ExponentialBackoff(max_attempts=5, jitter=0))
+    with backend.Session() as s, s.begin():
+        q.offer(s, "job", {"n": 1})
+    outcomes = []
+    for _ in range(10):
+        with backend.Session() as s, s.begin():
+            env = q.try_poll(s)
+            if env is None:
+                break
+            outcomes.append(q.nack(s, env, "always fails"))
+        clock.advance(timedelta(hours=2))
+    assert outcomes == [NackOutcome.RETRY_SCHEDULED] * 4 + [NackOutcome.DEAD]
+    with backend.Session() as s, s.begin():
+        info = q.get(s, "job")
+        assert info.status == "dead" and info.state is State.DEAD
+        assert info.attempts == 5 and info.last_error == "always fails"
+        assert info.scheduled_at is None
+        assert q.counts(s).dead == 1
+        assert q.requeue_dead(s) == 1
+        env = q.try_poll(s)
+        assert env is not None and env.attempt == 1
+
+
+def test_nack_at_an_explicit_time_and_stale_nack(backend, make_queue, clock):
+    q = make_queue(lease=timedelta(seconds=5))
+    with backend.Session() as s, s.begin():
+        q.offer(s, "k", 1)
+    with backend.Session() as s, s.begin():
+        env = q.try_poll(s)
+        at = clock() + timedelta(minutes=7)
+        assert q.nack(s, env, "later", at=at) is NackOutcome.RETRY_SCHEDULED
+        assert q.get(s, "k").scheduled_at == at
+        assert q.nack(s, env, "again") is NackOutcome.STALE
+
+
+def test_poison_message_at_the_head_is_buried_and_polling_goes_on(backend, make_queue, clock):
+    q = make_queue()
+    now = clock()
+    with backend.Session() as s, s.begin():
+        q.offer(s, "poison", {"x": 1}, now - timedelta(seconds=10))
+        q.offer(s, "good", {"x": 2}, now - timedelta(seconds=5))
+        s.execute(T.update().where(T.c.key == "poison").values(payload=None))  # corrupt it
+    with backend.Session() as s, s.begin():
+        env = q.try_poll(s)
+        assert env is not None and env.key == "good"
+    with backend.Session() as s:
+        info = q.get(s, "poison")
+        assert info.status == "dead" and "DecodeError" in info.last_error
+        assert info.decode_error is not None
+
+
+def test_release_and_extend(backend, make_queue, clock):
+    q = make_queue(lease=timedelta(seconds=10))
+    with backend.Session() as s, s.begin():
+        q.offer(s, "k", 1)
+    with backend.Session() as s, s.begin():
+        env = q.try_poll(s)
+        longer = q.extend(s, env, timedelta(minutes=30))
+        assert longer is not None and longer.lease_until == clock() + timedelta(minutes=30)
+    clock.advance(60)
+    with backend.Session() as s, s.begin():
+        assert q.try_poll(s) is None  # the extended lease still holds
+        assert q.release(s, longer) is True
+        assert q.release(s, longer) is False  # guarded by the token
+        assert q.extend(s, longer) is None
+        again = q.try_poll(s)
+        assert again is not None and again.attempt == 1 and again.delivery is Delivery.FIRST
+
+
+# -- read side ---------------------------------------------------------------------------
+
+
+def test_counts_oldest_due_and_search(backend, make_queue, clock):
+    q = make_queue(lease=timedelta(seconds=30))
+    now = clock()
+    with backend.Session() as s, s.begin():
+        q.offer_batch(
+            s,
+            [
+                ("order/1", {"companyId": 3345, "kind": "a"}, now - timedelta(seconds=30)),
+                ("order/2", {"companyId": 3345, "kind": "b"}, now - timedelta(seconds=10)),
+                ("order/3", {"companyId": 7, "kind": "a"}, now + timedelta(hours=1)),
+                ("invoice/1", {"companyId": 3345, "vip": True}, now - timedelta(seconds=1)),
+            ],
+        )
+        assert q.oldest_due(s) == now - timedelta(seconds=30)
+    with backend.Session() as s, s.begin():
+        q.try_poll(s)  # order/1 goes in flight
+    with backend.Session() as s:
+        counts = q.counts(s)
+        assert (counts.due, counts.scheduled, counts.in_flight, counts.dead) == (2, 1, 1, 0)
+        assert counts.pending == 4
+        assert q.oldest_due(s) == now - timedelta(seconds=10)
+        company = q.search(s, MessageFilter(payload={"companyId": 3345}))
+        # Batches insert in key order, so ids (the search order) follow the keys.
+        assert [m.key for m in company] == ["invoice/1", "order/1", "order/2"]
+        both = MessageFilter(payload={"companyId": 3345, "kind": "a"})
+        assert [m.key for m in q.search(s, both)] == ["order/1"]
+        assert [m.key for m in q.search(s, MessageFilter(payload={"vip": True}))] == ["invoice/1"]
+        assert [m.key for m in q.search(s, MessageFilter(key_prefix="order/"))] == [
+            "order/1",
+            "order/2",
+            "order/3",
+        ]
+        in_flight = q.search(s, MessageFilter(state="in_flight"))
+        assert [m.key for m in in_flight] == ["order/1"] and in_flight[0].state is State.IN_FLIGHT
+        assert [m.key for m in q.search(s, MessageFilter(state=State.SCHEDULED))] == ["order/3"]
+        assert q.count(s, MessageFilter(state="due")) == 2
+        page = q.search(s, limit=2)
+        assert len(page) == 2 and len(q.search(s, after_id=page[-1].id)) == 2
+        assert q.contains(s, "order/3") and not q.contains(s, "nope")
+        with pytest.raises(InvalidArgument, match="unknown state"):
+            q.search(s, MessageFilter(state="weird"))
+        with pytest.raises(InvalidArgument, match="only str, int"):
+            q.search(s, MessageFilter(payload={"x": [1]}))
+
+
+def test_key_prefix_patterns_are_escaped(backend, make_queue):
+    q = make_queue()
+    with backend.Session() as s, s.begin():
+        for key in ("a_b/1", "a%b/1", "axb/1", "aXb/1"):
+            q.offer(s, key, 1)
+        assert [m.key for m in q.search(s, MessageFilter(key_prefix="a_b"))] == ["a_b/1"]
+        assert [m.key for m in q.search(s, MessageFilter(key_prefix="a%b"))] == ["a%b/1"]
+        assert q.drop_where(s, MessageFilter(key_prefix="a_b")) == 1
+        assert q.contains(s, "axb/1")
+
+
+# -- admin side --------------------------------------------------------------------------
+
+
+def test_drop_reschedule_and_drop_all(backend, make_queue, clock):
+    q = make_queue()
+    other = make_queue("other")
+    now = clock()
+    later = now + timedelta(days=1)
+    with backend.Session() as s, s.begin():
+        q.offer_batch(s, [(f"k{i}", {"companyId": i % 3}, later) for i in range(9)])
+        other.offer(s, "k0", 1)
+        assert q.drop(s, "k0") is True and q.drop(s, "k0") is False
+        assert q.drop_where(s, MessageFilter(payload={"companyId": 1})) == 3
+        assert q.reschedule(s, "k2") == 1  # process now
+        assert q.try_poll(s).key == "k2"
+        assert q.reschedule(s, MessageFilter(payload={"companyId": 2}), now) == 2  # k5, k8
+        assert q.reschedule(s, "k2") == 0  # in flight: its lease is kept
+        assert [e.key for e in q.try_poll_many(s, 10)] == ["k5", "k8"]
+        with pytest.raises(ConfirmationRequired):
+            q.drop_all(s)
+        with pytest.raises(ConfirmationRequired):
+            q.drop_all(s, confirm="other")
+        assert q.drop_all(s, confirm="q") == 5
+        assert other.contains(s, "k0")
+        with pytest.raises(InvalidArgument):
+            q.drop_where(s, None)  # type: ignore[arg-type]
+
+
+def test_retention_keeps_acked_messages_as_done_then_prunes(backend, make_queue, clock):
+    q = make_queue(retention=timedelta(hours=1))
+    with backend.Session() as s, s.begin():
+        q.offer(s, "k", {"v": 1})
+    with backend.Session() as s, s.begin():
+        env = q.try_poll(s)
+        assert q.ack(s, env)
+        info = q.get(s, "k")
+        assert info.status == "done" and info.scheduled_at is None and info.state is State.DONE
+        assert q.try_poll(s) is None
+        assert q.offer(s, "k", {"v": 1}).outcome is Outcome.IGNORED  # dedupe window
+        assert q.counts(s).done == 1
+        assert q.prune(s) == 0
+    clock.advance(timedelta(hours=2))
+    with backend.Session() as s, s.begin():
+        assert q.prune(s) == 1
+        assert q.get(s, "k") is None
