@@ -79,7 +79,7 @@ def offer_batch(
         _offer_chunk(q, session, strategy, keys, by_key, mode, now, outcomes)
     if any(o is not Outcome.IGNORED for o in outcomes):
         q._wake(session, strategy)
-    return [OfferResult(item.key, o) for item, o in zip(items, outcomes)]  # type: ignore[arg-type]
+    return [OfferResult(item.key, o) for item, o in zip(items, outcomes, strict=True)]  # type: ignore[arg-type]
 
 
 def _offer_chunk(
