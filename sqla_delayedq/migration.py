@@ -6,9 +6,12 @@ A host application gets its message table in one of two ways; both produce the t
 
 **Autogenerate.** Map a class with the mixin on the application's own ``Base``; ``alembic revision
 --autogenerate`` then writes the table and its indexes into a revision like any other model. Pass
-:func:`render_item` to ``context.configure()`` in ``env.py``: without it Alembic renders the
+:func:`render_item` to ``context.configure()`` in ``env.py``. Without it Alembic renders the
 timestamp columns as ``sqla_delayedq._time.DateTimeUTC()``, a private type the revision does not
-even import. With it they render as plain SQLAlchemy types, so the revision is frozen DDL::
+import, and, when it autogenerates against a database other than PostgreSQL, the payload column's
+PostgreSQL variant as ``postgresql.JSONB(astext_type=Text())`` with ``Text`` undefined; either
+makes the revision fail on every backend. With the hook both render as plain SQLAlchemy types, so
+the revision is frozen DDL that runs anywhere::
 
     from sqla_delayedq.migration import render_item
 
@@ -35,11 +38,12 @@ This module imports Alembic; ``import sqla_delayedq`` does not import it.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from alembic.autogenerate.api import AutogenContext
 from alembic.operations import ops
 from sqlalchemy import MetaData, Table
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import DeclarativeBase
 
 from alembic import op
@@ -69,7 +73,7 @@ def queue_table(table_name: str = DEFAULT_TABLE, *, schema: str | None = None) -
     class _Message(QueueMessageMixin, _Base):
         __tablename__ = table_name
 
-    return _Message.__table__  # type: ignore[return-value]
+    return cast(Table, _Message.__table__)
 
 
 def create_queue_table(table_name: str = DEFAULT_TABLE, *, schema: str | None = None) -> Table:
@@ -90,13 +94,22 @@ def drop_queue_table(table_name: str = DEFAULT_TABLE, *, schema: str | None = No
 
 
 def render_item(type_: str, obj: Any, autogen_context: AutogenContext) -> str | Literal[False]:
-    """An Alembic ``render_item`` hook: renders the mixin's timestamp type as plain SQLAlchemy.
+    """An Alembic ``render_item`` hook: renders the mixin's column types as plain SQLAlchemy.
 
     Returns ``False`` for everything else, so Alembic's default rendering applies; a project with
     its own hook can call this one first and fall back to its own.
     """
-    if type_ == "type" and isinstance(obj, DateTimeUTC):
+    if type_ != "type":
+        return False
+    prefix = autogen_context.opts.get("sqlalchemy_module_prefix") or ""
+    if isinstance(obj, DateTimeUTC):
         autogen_context.imports.add("from sqlalchemy.dialects import mysql")
-        prefix = autogen_context.opts.get("sqlalchemy_module_prefix") or ""
         return f"{prefix}{DATETIME_UTC_DDL}"
+    if isinstance(obj, postgresql.JSON):
+        # Alembic prefixes astext_type only when the migration context is PostgreSQL's.
+        autogen_context.imports.add("from sqlalchemy.dialects import postgresql")
+        args = [f"astext_type={prefix}{obj.astext_type!r}"]
+        if obj.none_as_null:
+            args.append("none_as_null=True")
+        return f"postgresql.{type(obj).__name__}({', '.join(args)})"
     return False

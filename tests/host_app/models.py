@@ -1,0 +1,26 @@
+"""The host's models: a domain table and an outbox queue table on the host's own ``Base``."""
+
+from __future__ import annotations
+
+from sqlalchemy import String
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from sqla_delayedq import QueueMessageMixin
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Customer(Base):
+    __tablename__ = "customers"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    email: Mapped[str] = mapped_column(String(200), unique=True)
+    name: Mapped[str] = mapped_column(String(200))
+
+
+class OutboxMessage(QueueMessageMixin, Base):
+    """Messages written in the same transaction as the customers they are about."""
+
+    __tablename__ = "outbox"
