@@ -1,0 +1,88 @@
+"""The queue through ``AsyncSession`` on PostgreSQL (psycopg's async driver), and the async worker."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
+
+from sqla_delayedq import DelayedMessage, DelayedQueue, Delivery, Outcome
+from sqla_delayedq.aio import AsyncQueue, AsyncWorker
+
+T = DelayedMessage.__table__
+
+
+@pytest.fixture
+def async_sessions(pg):
+    engine = create_async_engine(pg.url.set(drivername="postgresql+psycopg"))
+    yield async_sessionmaker(engine, expire_on_commit=False)
+    asyncio.run(engine.dispose())
+
+
+def test_offer_poll_ack_through_async_session(async_sessions, clock):
+    aq = AsyncQueue(DelayedQueue("aq", clock=clock, lease=timedelta(seconds=10)))
+
+    async def scenario() -> None:
+        async with async_sessions() as s, s.begin():
+            assert (await aq.offer(s, "k", {"v": 1})).outcome is Outcome.CREATED
+            assert (await aq.offer(s, "k", {"v": 1})).outcome is Outcome.IGNORED
+            results = await aq.offer_batch(s, [("a", 1), ("b", 2)])
+            assert [r.outcome for r in results] == [Outcome.CREATED] * 2
+        with pytest.raises(RuntimeError):
+            async with async_sessions() as s, s.begin():
+                await aq.offer(s, "rolled-back", 1)
+                raise RuntimeError("caller failed")
+        async with async_sessions() as s, s.begin():
+            assert not await aq.contains(s, "rolled-back")
+            env = await aq.try_poll(s)
+            assert env.key == "k" and env.delivery is Delivery.FIRST
+        clock.advance(11)
+        async with async_sessions() as s, s.begin():
+            envs = await aq.try_poll_many(s, 10)
+            assert {e.key for e in envs} == {"k", "a", "b"}
+            again = next(e for e in envs if e.key == "k")
+            assert again.delivery is Delivery.REDELIVERY
+            assert not await aq.ack(s, env)  # the expired take's late ack loses
+            assert await aq.ack_many(s, envs) == 3
+        async with async_sessions() as s:
+            assert (await aq.counts(s)).pending == 0
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("mode", ["lease", "transactional"])
+def test_async_worker_with_16_tasks_handles_each_message_once(async_sessions, pg, mode):
+    q = DelayedQueue("aw")
+    total = 5000
+    with pg.Session() as s, s.begin():
+        q.offer_batch(s, [(f"m{i:05d}", {"i": i}) for i in range(total)])
+    seen: list[int] = []
+
+    async def handler(env, session=None) -> None:
+        seen.append(env.payload["i"])
+        await asyncio.sleep(0)
+
+    async def scenario() -> None:
+        worker = AsyncWorker(async_sessions, concurrency=16, poll_interval=0.2)
+        worker.register(q, handler, mode=mode)
+        runner = asyncio.create_task(worker.run(install_signal_handlers=False))
+        for _ in range(600):
+            if len(seen) >= total:
+                break
+            await asyncio.sleep(0.05)
+        async with async_sessions() as s:
+            for _ in range(100):
+                left = (await s.execute(sa.select(sa.func.count()).select_from(T))).scalar_one()
+                if left == 0:
+                    break
+                await asyncio.sleep(0.05)
+        worker.request_stop()
+        assert await runner is True
+
+    asyncio.run(scenario())
+    assert sorted(seen) == list(range(total))
+    with pg.engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(T)).scalar_one() == 0
