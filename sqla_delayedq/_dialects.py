@@ -15,7 +15,7 @@ from datetime import datetime
 from types import SimpleNamespace
 from typing import Any, ClassVar
 
-from sqlalchemy import Table
+from sqlalchemy import Table, delete
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.engine import Dialect
@@ -101,6 +101,15 @@ class Strategy(abc.ABC):
 
     poll_lock: ClassVar[st.Lock] = "update_skip_locked"
 
+    def consume(
+        self, session: Session, t: Table, queue: str, now: datetime, limit: int
+    ) -> list[Any]:
+        """Take up to ``limit`` due rows by deleting them in the caller's transaction."""
+        picked = session.execute(st.select_due(t, queue, now, limit, self.poll_lock)).all()
+        if picked:
+            session.execute(delete(t).where(t.c.id.in_([r.id for r in picked])))
+        return list(picked)
+
     @classmethod
     def is_transient(cls, exc: BaseException) -> bool:
         """Deadlocks, serialization failures, lost connections: safe to retry the transaction."""
@@ -133,6 +142,14 @@ class PostgreSQLStrategy(Strategy):
         claimed = [Claimed(r, r.prev_token, r.prev_scheduled_at) for r in rows]
         claimed.sort(key=lambda c: (c.prev_scheduled_at, c.row.id))
         return claimed
+
+    @classmethod
+    def consume(
+        self, session: Session, t: Table, queue: str, now: datetime, limit: int
+    ) -> list[Any]:
+        rows = session.execute(st.consume_returning(t, queue, now, limit, True)).all()
+        rows.sort(key=lambda r: (r.scheduled_at, r.id))
+        return rows
 
     @classmethod
     def is_transient(cls, exc: BaseException) -> bool:
@@ -218,6 +235,13 @@ class SQLiteStrategy(Strategy):
             for r in picked
             if r.id in taken
         ]
+
+    def consume(
+        self, session: Session, t: Table, queue: str, now: datetime, limit: int
+    ) -> list[Any]:
+        rows = session.execute(st.consume_returning(t, queue, now, limit, False)).all()
+        rows.sort(key=lambda r: (r.scheduled_at, r.id))
+        return rows
 
     @classmethod
     def is_transient(cls, exc: BaseException) -> bool:

@@ -10,10 +10,11 @@ import secrets
 import traceback
 import uuid
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any, Generic, TypeVar, cast
 
-from sqlalchemy import Table
+from sqlalchemy import Table, update
 from sqlalchemy.orm import Session
 
 from . import _statements as st
@@ -330,6 +331,92 @@ class DelayedQueue(AdminMixin, Generic[T]):
             lease_until=row.scheduled_at,
         )
 
+    def consume(self, session: Session, n: int = 1) -> list[Envelope[T]]:
+        """Take up to ``n`` due messages for processing inside the caller's transaction.
+
+        The transactional mode of seed 002: the messages are deleted (marked done, with
+        retention) in the caller's transaction, so they are gone when it commits together with
+        the handler's writes, and due again at once when it rolls back. No ack is needed; the
+        envelopes carry an empty lock token. After a rollback, record the failed attempt with
+        :meth:`record_failure` in a new transaction.
+        """
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise InvalidArgument(f"n must be a positive integer, got {n!r}")
+        if self.retention is not None:
+            envelopes = self.try_poll_many(session, n)
+            self.ack_many(session, envelopes)
+            return [replace(e, lock_token="") for e in envelopes]
+        strategy = strategy_for(session)
+        now = self.now()
+        envelopes: list[Envelope[T]] = []
+        for row in strategy.consume(session, self.table, self.name, now, n):
+            try:
+                payload = self._decode(row)
+            except DecodeError as exc:
+                dead = {c: getattr(row, c) for c in st.ROW_COLUMNS}
+                dead |= {"status": "dead", "scheduled_at": None, "lock_token": None}
+                dead |= {"attempts": row.attempts + 1, "last_error": error_text(exc)}
+                dead["last_attempt_at"] = now
+                session.execute(self.table.insert().values(dead))
+                continue
+            envelopes.append(
+                Envelope(
+                    id=row.id,
+                    queue=row.queue,
+                    key=row.key,
+                    payload=payload,
+                    scheduled_at=row.scheduled_at,
+                    scheduled_at_initially=row.scheduled_at_initially,
+                    created_at=row.created_at,
+                    delivery=Delivery.FIRST if row.lock_token is None else Delivery.REDELIVERY,
+                    attempt=row.attempts + 1,
+                    lock_token="",
+                    lease_until=now,
+                )
+            )
+        return envelopes
+
+    def record_failure(
+        self,
+        session: Session,
+        envelope: Envelope[Any],
+        error: BaseException | str,
+        at: datetime | None = None,
+    ) -> NackOutcome:
+        """Record a failed attempt of a consumed message whose transaction rolled back.
+
+        Guarded by the row as it was before the take: if another consumer has taken the message
+        since the rollback, its own attempt counts instead and nothing changes (``STALE``).
+        """
+        t = self.table
+        now = self.now()
+        attempts = envelope.attempt
+        # Any take since the rollback moved scheduled_at (a lease) or removed the row.
+        guard = [
+            t.c.id == envelope.id,
+            t.c.status == "pending",
+            t.c.scheduled_at == envelope.scheduled_at,
+        ]
+        values: dict[str, Any] = {
+            "attempts": attempts,
+            "last_error": error_text(error),
+            "last_attempt_at": now,
+            "lock_token": None,
+        }
+        dead = attempts >= self.retry_policy.max_attempts
+        if dead:
+            values |= {"status": "dead", "scheduled_at": None}
+        else:
+            values["scheduled_at"] = (
+                require_aware(at, "at")
+                if at is not None
+                else now + self.retry_policy.delay(attempts)
+            )
+        updated = session.execute(update(t).where(*guard).values(values)).rowcount == 1  # type: ignore[attr-defined]
+        if not updated:
+            return NackOutcome.STALE
+        return NackOutcome.DEAD if dead else NackOutcome.RETRY_SCHEDULED
+
     def _bury(
         self, session: Session, row_id: int, token: str, attempts: int, error: str, now: datetime
     ) -> bool:
@@ -420,6 +507,4 @@ class DelayedQueue(AdminMixin, Generic[T]):
         )
         if session.execute(stmt).rowcount != 1:  # type: ignore[attr-defined]
             return None
-        from dataclasses import replace
-
         return replace(envelope, lease_until=until)

@@ -144,6 +144,21 @@ def claim_returning(
     )
 
 
+def consume_returning(t: Table, queue: str, now: datetime, limit: int, skip_locked: bool) -> Delete:
+    """Take due rows by deleting them inside the caller's transaction (seed 002).
+
+    The rows come back as they were; a rollback restores them, due at once.
+    """
+    picked = select(t.c.id).where(due_filter(t, queue, now)).order_by(t.c.scheduled_at, t.c.id)
+    picked = picked.limit(limit)
+    if skip_locked:
+        picked = picked.with_for_update(skip_locked=True)
+        cond = t.c.id == any_(ArrayOf(picked))
+    else:
+        cond = t.c.id.in_(picked.scalar_subquery())
+    return delete(t).where(cond).returning(*columns(t))
+
+
 def take_ids(
     t: Table, ids: Sequence[int], now: datetime, lease_until: datetime, prefix: str
 ) -> Update:

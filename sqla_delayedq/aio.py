@@ -132,6 +132,10 @@ class AsyncQueue(Generic[T]):
         return await session.run_sync(lambda s: self.queue.search(s, where, limit=limit))
 
 
+class _RollBack(Exception):
+    """Raised inside a transactional handler's transaction to roll it back."""
+
+
 @dataclass(frozen=True)
 class _Registration:
     queue: AsyncQueue[Any]
@@ -339,24 +343,36 @@ class AsyncWorker:
         return bool(envs)
 
     async def _transactional_once(self, reg: _Registration) -> bool:
-        failure: tuple[BaseException, NackOutcome] | None = None
-        async with self.sessions() as s, s.begin():
-            env = await reg.queue.try_poll(s, lease=reg.lease)
-            if env is None:
-                return False
-            self._observe(reg, env)
-            started = time.monotonic()
-            try:
-                async with s.begin_nested():
-                    await reg.handler(env, s)
-            except Exception as exc:
-                failure = (exc, await reg.queue.nack(s, env, exc))
-            else:
-                await reg.queue.ack(s, env)
+        failure: BaseException | None = None
+        env: Envelope[Any] | None = None
+        q = reg.queue.queue
+        session = self.sessions()
+        try:
+            async with session.begin():
+                envs = await session.run_sync(lambda s: q.consume(s, 1))
+                if not envs:
+                    return False
+                env = envs[0]
+                self._observe(reg, env)
+                started = time.monotonic()
+                try:
+                    await reg.handler(env, session)
+                except Exception as exc:
+                    failure = exc
+                    raise _RollBack from exc
+        except _RollBack:
+            pass
+        finally:
+            await session.close()
         if failure is None:
             self.hooks.processed(reg.queue.name, env, time.monotonic() - started)
-        else:
-            self.hooks.failed(reg.queue.name, env, *failure)
+            return True
+
+        async def record(s: AsyncSession) -> NackOutcome:
+            return await s.run_sync(lambda ss: q.record_failure(ss, env, failure))
+
+        outcome = await self._settle(reg, env, record)
+        self.hooks.failed(reg.queue.name, env, failure, outcome or NackOutcome.STALE)
         return True
 
     async def _heartbeat(self) -> None:

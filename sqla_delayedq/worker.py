@@ -6,9 +6,10 @@ Two consumption modes (DESIGN §4):
   transaction, ack in a new one. A crash means redelivery after the lease. Leases of long
   handlers are extended by a heartbeat until ``handler_timeout``.
 - ``"transactional"`` (effectively exactly-once for database side effects): take, run the
-  handler with the Session and ack in one transaction; the handler's writes commit with the ack.
-  A failing handler's writes are rolled back to a savepoint and the failure is recorded; a crash
-  rolls everything back and the message is due again at once.
+  handler with the Session and remove the message in one transaction (seed 002's delete-on-take);
+  the handler's writes commit with the removal. A failing handler's transaction is rolled back and
+  the failed attempt is recorded in a new one; a crash rolls everything back and the message is
+  due again at once.
 
 Idle threads sleep until the poll interval, the next due time, or a wake-up: ``NOTIFY`` on
 PostgreSQL (sent by offers on commit) and in-process wake-ups on every backend. Transient
@@ -72,6 +73,10 @@ class _Registration:
     mode: Mode
     lease: timedelta
     handler_timeout: timedelta | None
+
+
+class _RollBack(Exception):
+    """Raised inside a transactional handler's transaction to roll it back."""
 
 
 class _Wakeup:
@@ -375,25 +380,39 @@ class Worker:
                 delay = min(delay * 2, 2.0)
 
     def _transactional_once(self, reg: _Registration) -> bool:
-        failure: tuple[BaseException, NackOutcome] | None = None
-        with self.sessions() as s, s.begin():
-            env = reg.queue.try_poll(s, lease=reg.lease)
-            if env is None:
-                return False
-            self._observe(reg, env)
-            started = time.monotonic()
-            try:
-                with s.begin_nested():
-                    reg.handler(env, s)
-            except Exception as exc:
-                failure = (exc, reg.queue.nack(s, env, exc))
-            else:
-                reg.queue.ack(s, env)
-        # Hooks run after the commit, so they report what the database now holds.
+        """Consume, handle and commit in one transaction; on failure roll back, then record it.
+
+        The take is the seed-002 delete inside the transaction, so success costs one statement
+        plus the handler's own; a failing handler's writes vanish with the rollback, and its
+        failure is recorded in a transaction of its own.
+        """
+        failure: BaseException | None = None
+        env: Envelope[Any] | None = None
+        session = self.sessions()
+        try:
+            with session.begin():
+                envs = reg.queue.consume(session, 1)
+                if not envs:
+                    return False
+                env = envs[0]
+                self._observe(reg, env)
+                started = time.monotonic()
+                try:
+                    reg.handler(env, session)
+                except Exception as exc:
+                    failure = exc
+                    raise _RollBack from exc
+        except _RollBack:
+            pass
+        finally:
+            session.close()
         if failure is None:
             self.hooks.processed(reg.queue.name, env, time.monotonic() - started)
-        else:
-            self.hooks.failed(reg.queue.name, env, *failure)
+            return True
+        outcome = self._settle(
+            reg, env, lambda s, e=env, err=failure: reg.queue.record_failure(s, e, err), "record"
+        )
+        self.hooks.failed(reg.queue.name, env, failure, outcome or NackOutcome.STALE)
         return True
 
     # -- heartbeat -----------------------------------------------------------------------

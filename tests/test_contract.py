@@ -340,3 +340,59 @@ def test_retention_keeps_acked_messages_as_done_then_prunes(backend, make_queue,
     with backend.Session() as s, s.begin():
         assert q.prune(s) == 1
         assert q.get(s, "k") is None
+
+
+# -- consume (transactional mode, seed 002) -----------------------------------------------
+
+
+def test_consume_removes_on_commit_and_restores_on_rollback(backend, make_queue, clock):
+    q = make_queue(retry=ExponentialBackoff(max_attempts=2, initial=timedelta(seconds=5), jitter=0))
+    now = clock()
+    with backend.Session() as s, s.begin():
+        q.offer_batch(s, [("a", 1, now - timedelta(seconds=2)), ("b", 2, now - timedelta(seconds=1))])
+    with pytest.raises(RuntimeError), backend.Session() as s, s.begin():
+        envs = q.consume(s, 5)
+        assert [e.key for e in envs] == ["a", "b"] and envs[0].attempt == 1
+        raise RuntimeError("handler failed: everything rolls back")
+    with backend.Session() as s, s.begin():
+        assert q.record_failure(s, envs[0], "boom") is NackOutcome.RETRY_SCHEDULED
+        assert q.record_failure(s, envs[0], "boom again") is NackOutcome.STALE
+        info = q.get(s, "a")
+        assert (info.attempts, info.last_error) == (1, "boom")
+        assert info.scheduled_at == now + timedelta(seconds=5)
+    with backend.Session() as s, s.begin():
+        (env,) = q.consume(s, 5)
+        assert env.key == "b"
+    with backend.Session() as s:
+        assert q.get(s, "b") is None
+    clock.advance(5)
+    with pytest.raises(RuntimeError), backend.Session() as s, s.begin():
+        (env,) = q.consume(s)
+        assert env.key == "a" and env.attempt == 2
+        raise RuntimeError("fails again")
+    with backend.Session() as s, s.begin():
+        assert q.record_failure(s, env, "final") is NackOutcome.DEAD
+        assert q.get(s, "a").status == "dead"
+
+
+def test_consume_buries_poison_and_goes_on(backend, make_queue, clock):
+    q = make_queue()
+    now = clock()
+    with backend.Session() as s, s.begin():
+        q.offer(s, "poison", {"x": 1}, now - timedelta(seconds=10))
+        q.offer(s, "good", {"x": 2}, now - timedelta(seconds=5))
+        s.execute(T.update().where(T.c.key == "poison").values(payload_type="other"))
+    with backend.Session() as s, s.begin():
+        assert [e.key for e in q.consume(s, 2)] == ["good"]
+    with backend.Session() as s:
+        info = q.get(s, "poison")
+        assert info.status == "dead" and "DecodeError" in info.last_error
+
+
+def test_consume_on_postgresql_is_one_statement(pg, make_queue):
+    q = make_queue()
+    with pg.Session() as s, s.begin():
+        q.offer_batch(s, [(f"k{i}", i) for i in range(10)])
+    with record_sql(pg.engine) as statements, pg.Session() as s, s.begin():
+        assert len(q.consume(s, 4)) == 4
+    assert len([x for x in statements if "delayed_queue" in x]) == 1
