@@ -73,6 +73,8 @@ class _Registration:
     mode: Mode
     lease: timedelta
     handler_timeout: timedelta | None
+    #: Messages per take for batch handlers (``handler(envelopes)``); None for one at a time.
+    batch: int | None = None
 
 
 class _RollBack(Exception):
@@ -196,6 +198,31 @@ class Worker:
             raise InvalidArgument("register handlers before starting the worker")
         self._registrations.append(
             _Registration(queue, handler, mode, lease or queue.lease, handler_timeout)
+        )
+        return self
+
+    def register_batch(
+        self,
+        queue: DelayedQueue[Any],
+        handler: Callable[[list[Envelope[Any]]], Any],
+        *,
+        batch_size: int = 100,
+        lease: timedelta | None = None,
+        handler_timeout: timedelta | None = None,
+    ) -> Worker:
+        """Handle up to ``batch_size`` messages per call: ``handler(envelopes)`` (lease mode).
+
+        The batch is taken with one statement and acknowledged with one when the handler
+        returns; when it raises, every message of the batch is nacked with the error.
+        """
+        if batch_size < 1:
+            raise InvalidArgument(f"batch_size must be >= 1, got {batch_size}")
+        if self._started:
+            raise InvalidArgument("register handlers before starting the worker")
+        self._registrations.append(
+            _Registration(
+                queue, handler, "lease", lease or queue.lease, handler_timeout, batch_size
+            )
         )
         return self
 
@@ -326,6 +353,8 @@ class Worker:
         self.hooks.lag(reg.queue.name, (reg.queue.now() - env.scheduled_at).total_seconds())
 
     def _lease_once(self, reg: _Registration) -> bool:
+        if reg.batch is not None:
+            return self._batch_once(reg)
         with self.sessions() as s, s.begin():
             envs = reg.queue.try_poll_many(s, self.batch_size, lease=reg.lease)
         for env in envs:
@@ -355,6 +384,36 @@ class Worker:
             finally:
                 self._in_flight.pop(env)
         return bool(envs)
+
+    def _batch_once(self, reg: _Registration) -> bool:
+        assert reg.batch is not None
+        with self.sessions() as s, s.begin():
+            envs = reg.queue.try_poll_many(s, reg.batch, lease=reg.lease)
+        if not envs:
+            return False
+        for env in envs:
+            self._in_flight.add(reg, env)
+            self._observe(reg, env)
+        started = time.monotonic()
+        try:
+            reg.handler(envs)
+        except Exception as exc:
+            for env in envs:
+                cur = self._in_flight.current(env)
+                outcome = self._settle(
+                    reg, cur, lambda s, e=cur, err=exc: reg.queue.nack(s, e, err), "nack"
+                )
+                self.hooks.failed(reg.queue.name, env, exc, outcome or NackOutcome.STALE)
+        else:
+            current = [self._in_flight.current(env) for env in envs]
+            self._settle(reg, envs[0], lambda s: reg.queue.ack_many(s, current), "ack")
+            elapsed = time.monotonic() - started
+            for env in envs:
+                self.hooks.processed(reg.queue.name, env, elapsed)
+        finally:
+            for env in envs:
+                self._in_flight.pop(env)
+        return True
 
     def _settle(
         self, reg: _Registration, env: Envelope[Any], op: Callable[[Session], Any], what: str

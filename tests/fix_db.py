@@ -95,9 +95,7 @@ class Server:
     created: list[str] = field(default_factory=list)
 
     def _admin(self) -> Engine:
-        return sa.create_engine(
-            self.admin_url, isolation_level="AUTOCOMMIT", poolclass=sa.NullPool
-        )
+        return sa.create_engine(self.admin_url, isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
 
     def create_database(self) -> URL:
         name = f"dq_{secrets.token_hex(6)}"
@@ -212,9 +210,8 @@ def _session_backend(
 ) -> Backend:
     if name not in made:
         url = make_database(name, tmp_path_factory.mktemp(name))
-        engine = create_engine(url, pool_size=20, max_overflow=20) if name != "sqlite" else (
-            create_engine(url)
-        )
+        pool = {} if name == "sqlite" else {"pool_size": 20, "max_overflow": 20}
+        engine = create_engine(url, **pool)
         metadata.create_all(engine)
         made[name] = Backend(name, url, engine, sessionmaker(engine))
     return made[name]
