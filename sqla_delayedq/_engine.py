@@ -56,7 +56,5 @@ def create_engine(url: str | sa.URL, **kwargs: Any) -> Engine:
     backend = make_url(url).get_backend_name()
     if backend in ("mysql", "mariadb"):
         kwargs.setdefault("isolation_level", "READ COMMITTED")
-    if backend == "postgresql":
-        kwargs.setdefault("pool_pre_ping", True)
     engine = sa.create_engine(url, **kwargs)
     return configure_sqlite(engine)

@@ -14,7 +14,7 @@ from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any, Generic, TypeVar, cast
 
-from sqlalchemy import Table, update
+from sqlalchemy import Table, bindparam, func, literal, select, update
 from sqlalchemy.orm import Session
 
 from . import _statements as st
@@ -22,7 +22,7 @@ from ._admin import AdminMixin
 from ._dialects import Claimed, Strategy, strategy_for
 from ._time import Clock, require_aware, require_duration, system_clock
 from ._types import Delivery, Envelope, NackOutcome, OfferMode, OfferResult, Outcome
-from ._wakeup import announce
+from ._wakeup import announce, channel_for, notify_pending
 from .errors import DecodeError, DelayedQueueError, InvalidArgument
 from .models import ERROR_MAX, KEY_MAX, QUEUE_MAX, DelayedMessage, QueueMessageMixin
 from .retry import ExponentialBackoff, RetryPolicy
@@ -34,6 +34,20 @@ __all__ = ["DelayedQueue", "OfferInput"]
 
 #: One message of a batch: ``(key, payload)`` or ``(key, payload, at)``; ``key`` may be None.
 OfferInput = tuple[str | None, Any] | tuple[str | None, Any, datetime | None]
+
+#: Columns an offer writes when it creates a row.
+INSERT_COLUMNS = (
+    "queue",
+    "key",
+    "payload_type",
+    "payload",
+    "payload_bytes",
+    "status",
+    "scheduled_at",
+    "scheduled_at_initially",
+    "created_at",
+    "attempts",
+)
 
 #: How many times a compare-and-swap is retried before giving up; each lost round means another
 #: transaction changed the row in between, which row locks make rare outside SQLite.
@@ -98,6 +112,7 @@ class DelayedQueue(AdminMixin, Generic[T]):
         self.retention = None if retention is None else require_duration(retention, "retention")
         self.clock = clock
         self.notify = notify
+        self._statements: dict[tuple[type[Strategy], str], Any] = {}
 
     def __repr__(self) -> str:
         return f"DelayedQueue({self.name!r}, table={self.table.name!r})"
@@ -220,11 +235,38 @@ class DelayedQueue(AdminMixin, Generic[T]):
             self._wake(session, strategy)
         return OfferResult(key, outcome)
 
+    def _statement(self, strategy: Strategy, name: str) -> Any:
+        """Statements built once per queue and backend; executions only bind new values."""
+        key = (type(strategy), name)
+        stmt = self._statements.get(key)
+        if stmt is None:
+            t = self.table
+            if name == "insert":
+                stmt = strategy.insert_ignore(t)
+                if strategy.insert_returning:
+                    stmt = stmt.returning(t.c.id)
+            else:  # insert and NOTIFY in one round trip; notifies only when a row was inserted
+                values = {c: bindparam(c, type_=t.c[c].type) for c in INSERT_COLUMNS}
+                ins = strategy.insert_ignore(t).values(values).returning(t.c.id).cte("ins")
+                channel = literal(channel_for(t.name))
+                stmt = select(ins.c.id, func.pg_notify(channel, literal(self.name)))
+            self._statements[key] = stmt
+        return stmt
+
     def _insert_one(self, session: Session, strategy: Strategy, row: dict[str, Any]) -> bool:
-        stmt = strategy.insert_ignore(self.table)
+        if (
+            self.notify
+            and strategy.has_notify
+            and notify_pending(session, self.table.name, self.name)
+        ):
+            inserted = session.execute(self._statement(strategy, "insert+notify"), row).first()
+            if inserted is not None:
+                announce(session, self.table.name, self.name, True, sent=True)
+            return inserted is not None
+        stmt = self._statement(strategy, "insert")
         if strategy.insert_returning:
-            return session.execute(stmt.returning(self.table.c.id), row).first() is not None
-        return bool(session.execute(stmt, row).rowcount == 1)  # type: ignore[attr-defined]
+            return session.execute(stmt, row).first() is not None
+        return bool(session.execute(stmt, row).rowcount == 1)
 
     def _offer_one(
         self,

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from sqlalchemy import event, func, select
 from sqlalchemy.orm import Session
 
-__all__ = ["announce", "channel_for", "subscribe"]
+__all__ = ["announce", "channel_for", "notify_pending", "subscribe"]
 
 PENDING = "sqla_delayedq.wakeups"
 
@@ -31,12 +31,25 @@ def channel_for(table_name: str) -> str:
     return f"delayedq_{table_name}"[:63]
 
 
-def announce(session: Session, table_name: str, queue: str, notify: bool) -> None:
-    """Note that ``queue`` got messages in the session's current transaction."""
-    pending: set[tuple[str, str, bool]] | None = session.info.get(PENDING)
+def announce(
+    session: Session, table_name: str, queue: str, notify: bool, *, sent: bool = False
+) -> None:
+    """Note that ``queue`` got messages in the session's current transaction.
+
+    ``notify`` asks for a ``NOTIFY`` before the commit; ``sent`` says a statement of this
+    transaction already carried it (an offer can piggyback ``pg_notify`` on its insert).
+    """
+    pending: dict[tuple[str, str], bool] | None = session.info.get(PENDING)
     if pending is None:
-        pending = session.info[PENDING] = set()
-    pending.add((table_name, queue, notify))
+        pending = session.info[PENDING] = {}
+    key = (table_name, queue)
+    pending[key] = pending.get(key, False) or sent or not notify
+
+
+def notify_pending(session: Session, table_name: str, queue: str) -> bool:
+    """Whether this transaction still owes ``queue`` a ``NOTIFY``."""
+    pending: dict[tuple[str, str], bool] | None = session.info.get(PENDING)
+    return pending is None or not pending.get((table_name, queue), False)
 
 
 def subscribe(table_name: str, waiter: Waiter) -> Callable[[], None]:
@@ -56,21 +69,21 @@ def subscribe(table_name: str, waiter: Waiter) -> Callable[[], None]:
 
 @event.listens_for(Session, "before_commit")
 def _send_notify(session: Session) -> None:
-    pending: set[tuple[str, str, bool]] | None = session.info.get(PENDING)
+    pending: dict[tuple[str, str], bool] | None = session.info.get(PENDING)
     if not pending:
         return
-    notes = sorted({(channel_for(t), q) for t, q, pg in pending if pg})
+    notes = sorted((channel_for(t), q) for (t, q), done in pending.items() if not done)
     if notes:
         session.execute(select(*(func.pg_notify(c, q) for c, q in notes)))
 
 
 @event.listens_for(Session, "after_commit")
 def _wake_local(session: Session) -> None:
-    pending: set[tuple[str, str, bool]] | None = session.info.pop(PENDING, None)
+    pending: dict[tuple[str, str], bool] | None = session.info.pop(PENDING, None)
     if not pending:
         return
     with _lock:
-        calls = [(w, q) for t, q, _ in pending for w in _waiters.get(t, ())]
+        calls = [(w, q) for t, q in pending for w in _waiters.get(t, ())]
     for waiter, queue in calls:
         waiter(queue)
 

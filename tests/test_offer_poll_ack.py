@@ -269,3 +269,35 @@ def test_payload_type_is_recorded_and_checked(backend, make_queue):
         info = reader.get(s, "k")
         assert info.status == "dead" and "order.v1" in info.last_error
         assert isinstance(DecodeError("x"), DelayedQueueError)
+
+
+def test_postgresql_notifies_once_per_committed_transaction(pg, make_queue):
+    import psycopg
+
+    q = make_queue("notified")
+    listener = psycopg.connect(
+        pg.url.set(drivername="postgresql").render_as_string(hide_password=False), autocommit=True
+    )
+    try:
+        listener.execute('LISTEN "delayedq_delayed_queue"')
+
+        def received() -> list[str]:
+            return [n.payload for n in listener.notifies(timeout=0.3)]
+
+        with pg.Session() as s, s.begin():
+            q.offer(s, "a", 1)
+            q.offer(s, "b", 2)
+            q.offer_batch(s, [("c", 3), ("d", 4)])
+        assert received() == ["notified"]
+        with pytest.raises(RuntimeError), pg.Session() as s, s.begin():
+            q.offer(s, "e", 5)
+            raise RuntimeError("rolled back")
+        assert received() == []
+        with pg.Session() as s, s.begin():
+            q.offer(s, "a", 100)  # an update also wakes consumers
+        assert received() == ["notified"]
+        with pg.Session() as s, s.begin():
+            q.offer(s, "a", 100)  # ignored: nothing to wake anyone for
+        assert received() == []
+    finally:
+        listener.close()
