@@ -82,6 +82,43 @@ def offer_batch(
     return [OfferResult(item.key, o) for item, o in zip(items, outcomes, strict=True)]  # type: ignore[arg-type]
 
 
+def _fold(
+    q: DelayedQueue[Any], key: str, items: list[_Item], row: Any, mode: OfferMode, now: datetime
+) -> tuple[Any, dict[str, Any], list[tuple[int, Outcome]]]:
+    """Apply a key's offers in input order to ``row`` (None: absent), as single offers would.
+
+    Returns the final state, the accumulated changes to an existing row, and the outcomes.
+    """
+    state: Any = row
+    changes: dict[str, Any] = {}
+    outcomes: list[tuple[int, Outcome]] = []
+    for item in items:
+        if state is None:
+            state = SimpleNamespace(
+                **q._new_row(key, item.values, item.at or now, now), lock_token=None
+            )
+            outcomes.append((item.index, Outcome.CREATED))
+            continue
+        step = (
+            None if mode is OfferMode.SKIP else q._changes(state, item.values, item.at, now, mode)
+        )
+        if step is None:
+            outcomes.append((item.index, Outcome.IGNORED))
+            continue
+        outcomes.append((item.index, Outcome.UPDATED))
+        changes.update(step)
+        state = SimpleNamespace(**{**_as_dict(state), **step})
+    return state, changes, outcomes
+
+
+def _insert_row(q: DelayedQueue[Any], key: str, state: Any, now: datetime) -> dict[str, Any]:
+    return {c: getattr(state, c) for c in q._new_row(key, {}, now, now)} | {
+        "payload_type": state.payload_type,
+        "payload": state.payload,
+        "payload_bytes": state.payload_bytes,
+    }
+
+
 def _offer_chunk(
     q: DelayedQueue[Any],
     session: Session,
@@ -93,47 +130,45 @@ def _offer_chunk(
     outcomes: list[Outcome | None],
 ) -> None:
     t = q.table
+    if strategy.batch_insert_first:
+        # Optimistic: most batches are new keys. Insert every key as if absent; read back only
+        # the keys that were not written (they exist, or a concurrent transaction got there).
+        plans = {key: _fold(q, key, by_key[key], None, mode, now) for key in keys}
+        written = _insert_chunk(
+            session, strategy, t, {k: _insert_row(q, k, p[0], now) for k, p in plans.items()}
+        )
+        for key in written:
+            for index, outcome in plans[key][2]:
+                outcomes[index] = outcome
+        keys = [k for k in keys if k not in written]
+        if not keys:
+            return
+        if mode is OfferMode.SKIP:
+            for key in keys:
+                for item in by_key[key]:
+                    outcomes[item.index] = Outcome.IGNORED
+            return
+
     lock = None if mode is OfferMode.SKIP else strategy.batch_lock
     existing = {r.key: r for r in session.execute(st.select_by_keys(t, q.name, keys, lock))}
-
     inserts: dict[str, dict[str, Any]] = {}
     updates: list[tuple[Any, dict[str, Any]]] = []
     for key in keys:
         row = existing.get(key)
-        state: Any = row
-        changes: dict[str, Any] = {}
-        for item in by_key[key]:
-            if state is None:
-                state = SimpleNamespace(
-                    **q._new_row(key, item.values, item.at or now, now), lock_token=None
-                )
-                outcomes[item.index] = Outcome.CREATED
-                continue
-            step = (
-                None
-                if mode is OfferMode.SKIP
-                else q._changes(state, item.values, item.at, now, mode)
-            )
-            if step is None:
-                outcomes[item.index] = Outcome.IGNORED
-                continue
-            outcomes[item.index] = Outcome.UPDATED
-            changes.update(step)
-            state = SimpleNamespace(**{**_as_dict(state), **step})
+        state, changes, folded = _fold(q, key, by_key[key], row, mode, now)
+        for index, outcome in folded:
+            outcomes[index] = outcome
         if row is None:
-            inserts[key] = {c: getattr(state, c) for c in q._new_row(key, {}, now, now)} | {
-                "payload_type": state.payload_type,
-                "payload": state.payload,
-                "payload_bytes": state.payload_bytes,
-            }
+            inserts[key] = _insert_row(q, key, state, now)
         elif changes:
             updates.append((row, changes))
-
-    lost = _insert_chunk(session, strategy, t, inserts) if inserts else []
+    written = _insert_chunk(session, strategy, t, inserts) if inserts else set()
     if updates:
         _update_chunk(session, t, updates)
-    for key in lost:
-        # A concurrent transaction inserted this key after our SELECT: replay its offers singly.
+    for key in inserts:
+        if key in written:
+            continue
+        # Inserted by a concurrent transaction after our SELECT: replay its offers singly.
         for item in by_key[key]:
             outcomes[item.index] = q._offer_one(
                 session, strategy, key, item.values, item.at, now, mode
@@ -148,19 +183,19 @@ def _as_dict(state: Any) -> dict[str, Any]:
 
 def _insert_chunk(
     session: Session, strategy: Strategy, t: Any, inserts: dict[str, dict[str, Any]]
-) -> list[str]:
-    """Insert rows whose keys were absent; return the keys another transaction took first."""
-    rows = list(inserts.values())
-    stmt = strategy.insert_ignore(t)
+) -> set[str]:
+    """Insert rows for absent keys, in key order; return the keys actually written."""
+    rows = [inserts[k] for k in sorted(inserts)]
     if strategy.insert_returning:
-        written = set(session.execute(stmt.returning(t.c.key), rows).scalars())
-        return [k for k in inserts if k not in written]
+        return strategy.insert_rows(session, t, rows) or set()
+    # No RETURNING (MySQL): all-or-nothing per chunk inside a savepoint.
     savepoint = session.begin_nested()
-    if session.execute(stmt, rows).rowcount == len(rows):  # type: ignore[attr-defined]
-        savepoint.commit()
-        return []
-    savepoint.rollback()  # cannot tell which rows were ours: redo the whole chunk singly
-    return list(inserts)
+    written = strategy.insert_rows(session, t, rows)
+    if written is None:
+        savepoint.rollback()  # cannot tell which rows were ours: the caller redoes them singly
+        return set()
+    savepoint.commit()
+    return written
 
 
 def _update_chunk(session: Session, t: Any, updates: list[tuple[Any, dict[str, Any]]]) -> None:

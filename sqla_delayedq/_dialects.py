@@ -52,6 +52,19 @@ class Strategy(abc.ABC):
     insert_returning: bool = True
     #: Whether ``NOTIFY`` exists to wake listeners on commit.
     has_notify: ClassVar[bool] = False
+    #: Batch offers insert first and read only the keys that were not written. Backends whose
+    #: insert-if-absent takes shared locks on existing rows (MySQL) read-lock first instead.
+    batch_insert_first: ClassVar[bool] = True
+
+    def insert_rows(
+        self, session: Session, t: Table, rows: list[dict[str, Any]]
+    ) -> set[str] | None:
+        """Insert-if-absent many rows; the keys written, or None when the driver cannot tell."""
+        stmt = self.insert_ignore(t)
+        if not self.insert_returning:
+            result: Any = session.execute(stmt, rows)
+            return {r["key"] for r in rows} if result.rowcount == len(rows) else None
+        return set(session.execute(stmt.returning(t.c.key), rows).scalars())
 
     def __init__(self, dialect: Dialect) -> None:
         self.dialect = dialect
@@ -123,6 +136,22 @@ class PostgreSQLStrategy(Strategy):
     max_params = 60_000
     has_notify = True
 
+    def insert_rows(
+        self, session: Session, t: Table, rows: list[dict[str, Any]]
+    ) -> set[str] | None:
+        first = rows[0]
+        params = {
+            "u_queue": first["queue"],
+            "u_type": first["payload_type"],
+            "u_now": first["created_at"],
+            "u_key": [r["key"] for r in rows],
+            "u_payload": [r["payload"] for r in rows],
+            "u_bytes": [r["payload_bytes"] for r in rows],
+            "u_at": [r["scheduled_at"] for r in rows],
+            "u_at0": [r["scheduled_at_initially"] for r in rows],
+        }
+        return set(session.execute(_unnest_insert(t), params).scalars())
+
     TRANSIENT_STATES = frozenset({"40001", "40P01", "55P03", "57P01", "57P02", "57P03"})
 
     def insert_ignore(self, t: Table) -> Insert:
@@ -169,6 +198,7 @@ class MySQLStrategy(Strategy):
     # upgrading locks; only an offer that must change the row upgrades to an exclusive lock.
     offer_lock = "share"
     insert_returning = False
+    batch_insert_first = False
 
     TRANSIENT_CODES = frozenset({1205, 1213, 1927, 2003, 2006, 2013, 2055, 4031})
 
@@ -255,6 +285,16 @@ def _taken(row: Any, lease_until: datetime, prefix: str) -> SimpleNamespace:
     return SimpleNamespace(
         **{**row._mapping, "scheduled_at": lease_until, "lock_token": f"{prefix}{row.id}"}
     )
+
+
+_unnest_cache: dict[Table, Any] = {}
+
+
+def _unnest_insert(t: Table) -> Any:
+    stmt = _unnest_cache.get(t)
+    if stmt is None:
+        stmt = _unnest_cache[t] = st.unnest_insert(t)
+    return stmt
 
 
 _cache: weakref.WeakKeyDictionary[Dialect, Strategy] = weakref.WeakKeyDictionary()

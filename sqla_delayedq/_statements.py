@@ -13,10 +13,13 @@ from typing import Any, Literal
 
 from sqlalchemy import (
     BigInteger,
+    DateTime,
+    LargeBinary,
     String,
     Table,
     and_,
     any_,
+    bindparam,
     case,
     cast,
     delete,
@@ -157,6 +160,56 @@ def consume_returning(t: Table, queue: str, now: datetime, limit: int, skip_lock
     else:
         cond = t.c.id.in_(picked.scalar_subquery())
     return delete(t).where(cond).returning(*columns(t))
+
+
+def unnest_insert(t: Table) -> Any:
+    """PostgreSQL: insert a whole chunk from one array per column, skipping existing keys.
+
+    One statement and seven parameters whatever the chunk size; rows go in in key order, so
+    concurrent batches take their unique-index locks in the same order. ``RETURNING key``
+    says which rows were written.
+    """
+    u = (
+        func.unnest(
+            bindparam("u_key", type_=postgresql.ARRAY(String())),
+            bindparam("u_payload", type_=postgresql.ARRAY(postgresql.JSONB())),
+            bindparam("u_bytes", type_=postgresql.ARRAY(LargeBinary())),
+            bindparam("u_at", type_=postgresql.ARRAY(DateTime(timezone=True))),
+            bindparam("u_at0", type_=postgresql.ARRAY(DateTime(timezone=True))),
+        )
+        .table_valued("key", "payload", "payload_bytes", "at", "at0")
+        .render_derived(name="u")
+    )
+    rows = select(
+        bindparam("u_queue", type_=String()),
+        u.c.key,
+        bindparam("u_type", type_=String()),
+        u.c.payload,
+        u.c.payload_bytes,
+        literal("pending"),
+        u.c.at,
+        u.c.at0,
+        bindparam("u_now", type_=DateTime(timezone=True)),
+        literal(0),
+    ).order_by(u.c.key)
+    names = [
+        "queue",
+        "key",
+        "payload_type",
+        "payload",
+        "payload_bytes",
+        "status",
+        "scheduled_at",
+        "scheduled_at_initially",
+        "created_at",
+        "attempts",
+    ]
+    return (
+        postgresql.insert(t)
+        .from_select(names, rows)
+        .on_conflict_do_nothing(index_elements=["queue", "key"])
+        .returning(t.c.key)
+    )
 
 
 def take_ids(
