@@ -1,0 +1,818 @@
+"""Entity queues: the conformance suite on every backend, races, and the ALTER migration.
+
+The rows of the host's own ``eq_orders`` table are the messages (seed 001). Time moves only by
+the fake clock; concurrency tests count deliveries in a list, so a duplicate would show.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import func, inspect, select, true
+from sqlalchemy.dialects import mysql, postgresql, sqlite
+from sqlalchemy.engine import URL
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+
+from sqla_delayedq import (
+    Delivery,
+    ExponentialBackoff,
+    InvalidArgument,
+    NackOutcome,
+    create_engine,
+)
+from sqla_delayedq._dialects import strategy_for
+from sqla_delayedq.entity import (
+    EntityCounts,
+    EntityLease,
+    EntityQueue,
+    EntityQueueMixin,
+    EntityStatus,
+    failed,
+    pending,
+    retrying,
+    select_due,
+    succeeded,
+)
+from tests.entity_app.models import Base, Order, OrderBefore
+from tests.fix_db import Backend
+from tests.fix_queue import FakeClock
+
+ENTITY_APP = Path(__file__).parent / "entity_app"
+QUEUE_COLUMNS = (
+    "queue_status",
+    "queue_next_attempt_at",
+    "queue_attempts",
+    "queue_last_attempt_at",
+    "queue_last_error",
+    "queue_lock_token",
+)
+NO_JITTER = ExponentialBackoff(max_attempts=3, initial=timedelta(seconds=10), jitter=0)
+
+
+@pytest.fixture
+def db(backend: Backend) -> Iterator[Backend]:
+    """Each backend, with an empty ``eq_orders`` table."""
+    Base.metadata.drop_all(backend.engine)
+    Base.metadata.create_all(backend.engine)
+    yield backend
+    Base.metadata.drop_all(backend.engine)
+
+
+@pytest.fixture
+def server_db(server_backend: Backend) -> Iterator[Backend]:
+    """PostgreSQL and MariaDB, with an empty ``eq_orders`` table."""
+    Base.metadata.drop_all(server_backend.engine)
+    Base.metadata.create_all(server_backend.engine)
+    yield server_backend
+    Base.metadata.drop_all(server_backend.engine)
+
+
+@pytest.fixture
+def queue(clock: FakeClock) -> EntityQueue[Order]:
+    return EntityQueue(Order, clock=clock, retry=NO_JITTER, lease=timedelta(minutes=1))
+
+
+def add_orders(
+    sessions: sessionmaker[Session], n: int, *, company_id: int = 1, start: int = 0
+) -> list[int]:
+    with sessions() as s, s.begin():
+        orders = [
+            Order(reference=f"o-{start + i}", company_id=company_id, amount_cents=100 + i)
+            for i in range(n)
+        ]
+        s.add_all(orders)
+        s.flush()
+        return [o.id for o in orders]
+
+
+def row(sessions: sessionmaker[Session], order_id: int) -> Order:
+    with sessions(expire_on_commit=False) as s, s.begin():
+        order = s.get(Order, order_id)
+        assert order is not None
+        return order
+
+
+# -- schema ----------------------------------------------------------------------------------
+
+
+def test_mixin_adds_prefixed_columns_and_one_index_beside_the_hosts_own_table_args(
+    db: Backend,
+) -> None:
+    insp = inspect(db.engine)
+    columns = {c["name"]: c for c in insp.get_columns("eq_orders")}
+    assert {name for name in columns if name.startswith("queue_")} == set(QUEUE_COLUMNS)
+    assert not columns["queue_status"]["nullable"]
+    assert not columns["queue_attempts"]["nullable"]
+    assert columns["queue_next_attempt_at"]["nullable"]
+    indexes = {ix["name"]: ix["column_names"] for ix in insp.get_indexes("eq_orders")}
+    assert indexes["ix_eq_orders_queue_next_attempt_at"] == ["queue_next_attempt_at"]
+    uniques = [u["column_names"] for u in insp.get_unique_constraints("eq_orders")]
+    assert ["reference"] in uniques or indexes.get("uq_eq_orders_reference") == ["reference"]
+
+
+def test_a_new_entity_is_idle_until_scheduled(db: Backend, queue: EntityQueue[Order]) -> None:
+    [order_id] = add_orders(db.Session, 1)
+    order = row(db.Session, order_id)
+    assert (order.queue_status, order.queue_attempts, order.queue_next_attempt_at) == (
+        EntityStatus.NEW,
+        0,
+        None,
+    )
+    with db.Session() as s, s.begin():
+        assert queue.try_take(s) == []
+        assert queue.counts(s) == EntityCounts(0, 0, 0, 0, 0, 1)
+
+
+def test_server_defaults_make_rows_inserted_without_the_queue_columns_valid(
+    db: Backend,
+) -> None:
+    with db.engine.begin() as conn:
+        conn.execute(
+            sa.insert(OrderBefore),
+            [{"reference": "raw", "company_id": 5, "amount_cents": 1}],
+        )
+    with db.Session() as s:
+        order = s.scalars(select(Order)).one()
+        assert (order.queue_status, order.queue_attempts) == ("new", 0)
+
+
+def test_rejects_models_without_the_mixin_or_with_a_composite_key() -> None:
+    class Other(DeclarativeBase):
+        pass
+
+    class Plain(Other):
+        __tablename__ = "plain"
+        id: Mapped[int] = mapped_column(primary_key=True)
+
+    class Pair(EntityQueueMixin, Other):
+        __tablename__ = "pair"
+        a: Mapped[int] = mapped_column(primary_key=True)
+        b: Mapped[int] = mapped_column(primary_key=True)
+
+    with pytest.raises(InvalidArgument, match="EntityQueueMixin"):
+        EntityQueue(Plain)  # type: ignore[type-var]
+    with pytest.raises(InvalidArgument, match="composite primary key"):
+        EntityQueue(Pair)
+    with pytest.raises(InvalidArgument, match="lease"):
+        EntityQueue(Order, lease=timedelta(0))
+
+
+# -- take and settle ---------------------------------------------------------------------------
+
+
+def test_take_loads_the_entity_into_the_session_and_hides_it_for_the_lease(
+    db: Backend, queue: EntityQueue[Order], clock: FakeClock
+) -> None:
+    [order_id] = add_orders(db.Session, 1)
+    with db.Session() as s, s.begin():
+        order = s.get(Order, order_id)
+        assert order is not None
+        assert queue.schedule(s, order) == 1
+    with db.Session() as s, s.begin():
+        [lease] = queue.try_take(s)
+        assert lease.id == order_id
+        assert lease.entity is s.get(Order, order_id)
+        assert lease.entity.reference == "o-0"
+        assert lease.entity.queue_lock_token == lease.lock_token
+        assert lease.entity.queue_next_attempt_at == lease.lease_until
+        assert (lease.attempt, lease.delivery.value, lease.scheduled_at) == (1, "first", clock())
+        assert lease.lease_until == clock() + timedelta(minutes=1)
+    with db.Session() as s, s.begin():
+        assert queue.try_take(s) == []
+        assert queue.counts(s).in_flight == 1
+
+
+def test_succeed_marks_the_row_and_a_second_succeed_is_harmless(
+    db: Backend, queue: EntityQueue[Order], clock: FakeClock
+) -> None:
+    [order_id] = add_orders(db.Session, 1)
+    with db.Session() as s, s.begin():
+        queue.schedule(s, Order.id == order_id)
+        [lease] = queue.try_take(s)
+    clock.advance(3)
+    with db.Session() as s, s.begin():
+        assert queue.succeed(s, lease)
+        assert not queue.succeed(s, lease)
+    order = row(db.Session, order_id)
+    assert order.queue_status == "succeeded"
+    assert order.queue_next_attempt_at is None
+    assert order.queue_lock_token is None
+    assert order.queue_attempts == 1
+    assert order.queue_last_attempt_at == clock()
+    with db.Session() as s:
+        assert s.scalars(succeeded(Order)).all() == [s.get(Order, order_id)]
+        assert s.scalars(pending(Order)).all() == []
+
+
+def test_transactional_mode_commits_the_handlers_changes_with_the_success_mark(
+    db: Backend, queue: EntityQueue[Order]
+) -> None:
+    [order_id] = add_orders(db.Session, 1)
+    with db.Session() as s, s.begin():
+        queue.schedule(s, Order.id == order_id)
+    with db.Session() as s, s.begin():
+        [lease] = queue.try_take(s)
+        lease.entity.payment_ref = "pay-1"
+        lease.entity.charge_count += 1
+        assert queue.succeed(s, lease)
+        # The Session's copy shows the new queue state without a reload.
+        assert lease.entity.queue_status == "succeeded"
+        assert lease.entity.queue_next_attempt_at is None
+    order = row(db.Session, order_id)
+    assert (order.payment_ref, order.charge_count, order.queue_status) == ("pay-1", 1, "succeeded")
+
+
+def test_a_rolled_back_take_is_due_again_at_once(db: Backend, queue: EntityQueue[Order]) -> None:
+    [order_id] = add_orders(db.Session, 1)
+    with db.Session() as s, s.begin():
+        queue.schedule(s, Order.id == order_id)
+    with db.Session() as s:
+        s.begin()
+        [lease] = queue.try_take(s)
+        lease.entity.payment_ref = "lost"
+        s.rollback()
+    with db.Session() as s, s.begin():
+        [again] = queue.try_take(s)
+        assert again.delivery.value == "first"
+        assert again.entity.payment_ref is None
+
+
+def test_due_order_is_next_attempt_then_primary_key(
+    db: Backend, queue: EntityQueue[Order], clock: FakeClock
+) -> None:
+    ids = add_orders(db.Session, 4)
+    with db.Session() as s, s.begin():
+        queue.schedule(s, Order.id == ids[0], at=clock() + timedelta(seconds=2))
+        queue.schedule(s, Order.id.in_(ids[1:]), at=clock() + timedelta(seconds=1))
+        queue.schedule(s, Order.id == ids[2], at=clock() - timedelta(seconds=1))
+    clock.advance(2)
+    with db.Session() as s, s.begin():
+        assert [lease.id for lease in queue.try_take(s, 10)] == [ids[2], ids[1], ids[3], ids[0]]
+
+
+def test_scheduled_later_is_not_due_before_its_time(
+    db: Backend, queue: EntityQueue[Order], clock: FakeClock
+) -> None:
+    [order_id] = add_orders(db.Session, 1)
+    with db.Session() as s, s.begin():
+        queue.schedule(s, Order.id == order_id, at=clock() + timedelta(hours=1))
+        assert queue.try_take(s) == []
+        assert queue.counts(s).scheduled == 1
+    clock.advance(timedelta(hours=1))
+    with db.Session() as s, s.begin():
+        assert len(queue.try_take(s)) == 1
+
+
+def test_schedule_a_new_entity_in_its_insert(db: Backend, queue: EntityQueue[Order]) -> None:
+    with db.Session() as s, s.begin():
+        order = Order(reference="fresh", company_id=2, amount_cents=5)
+        assert queue.schedule(s, order) == 1
+    with db.Session() as s, s.begin():
+        [lease] = queue.try_take(s)
+        assert lease.entity.reference == "fresh"
+
+
+def test_an_expired_lease_is_redelivered_and_the_old_lease_cannot_settle(
+    db: Backend, queue: EntityQueue[Order], clock: FakeClock
+) -> None:
+    [order_id] = add_orders(db.Session, 1)
+    with db.Session() as s, s.begin():
+        queue.schedule(s, Order.id == order_id)
+        [first] = queue.try_take(s)
+    clock.advance(timedelta(minutes=1))
+    with db.Session() as s, s.begin():
+        [second] = queue.try_take(s)
+        assert second.redelivered and second.attempt == 1
+        assert second.lock_token != first.lock_token
+    with db.Session() as s, s.begin():
+        assert not queue.succeed(s, first)
+        assert queue.fail(s, first, "late") is NackOutcome.STALE
+        assert not queue.release(s, first)
+        assert queue.extend(s, first) is None
+        assert queue.succeed(s, second)
+
+
+def test_fail_retries_with_backoff_then_gives_up_and_retry_failed_starts_over(
+    db: Backend, queue: EntityQueue[Order], clock: FakeClock
+) -> None:
+    [order_id] = add_orders(db.Session, 1, company_id=3345)
+    with db.Session() as s, s.begin():
+        queue.schedule(s, Order.id == order_id)
+    outcomes = []
+    for attempt, delay in ((1, 10), (2, 20), (3, None)):
+        with db.Session() as s, s.begin():
+            [lease] = queue.try_take(s)
+            assert lease.attempt == attempt
+            outcomes.append(queue.fail(s, lease, ValueError(f"declined #{attempt}")))
+        order = row(db.Session, order_id)
+        assert order.queue_status == "failed"
+        assert order.queue_attempts == attempt
+        assert order.queue_last_attempt_at == clock()
+        assert order.queue_last_error is not None
+        assert order.queue_last_error.startswith(f"ValueError: declined #{attempt}")
+        if delay is None:
+            assert order.queue_next_attempt_at is None
+        else:
+            assert order.queue_next_attempt_at == clock() + timedelta(seconds=delay)
+            with db.Session() as s:
+                assert s.scalars(retrying(Order)).all() == [s.get(Order, order_id)]
+            clock.advance(delay)
+    assert outcomes == [
+        NackOutcome.RETRY_SCHEDULED,
+        NackOutcome.RETRY_SCHEDULED,
+        NackOutcome.DEAD,
+    ]
+    with db.Session() as s, s.begin():
+        assert queue.try_take(s) == []
+        assert [o.id for o in s.scalars(failed(Order))] == [order_id]
+        assert queue.retry_failed(s, Order.company_id == 1) == 0
+        assert queue.retry_failed(s, Order.company_id == 3345) == 1
+        [lease] = queue.try_take(s)
+        assert lease.attempt == 1
+        assert queue.succeed(s, lease)
+    order = row(db.Session, order_id)
+    assert (order.queue_status, order.queue_attempts) == ("succeeded", 1)
+    assert order.queue_last_error is not None  # the last failure stays on record
+
+
+def test_fail_at_an_explicit_time(db: Backend, queue: EntityQueue[Order], clock: FakeClock) -> None:
+    [order_id] = add_orders(db.Session, 1)
+    at = clock() + timedelta(days=1)
+    with db.Session() as s, s.begin():
+        queue.schedule(s, Order.id == order_id)
+        [lease] = queue.try_take(s)
+        assert queue.fail(s, lease, "provider down", at=at) is NackOutcome.RETRY_SCHEDULED
+    assert row(db.Session, order_id).queue_next_attempt_at == at
+
+
+def test_release_gives_the_entity_back_without_counting_an_attempt(
+    db: Backend, queue: EntityQueue[Order], clock: FakeClock
+) -> None:
+    [order_id] = add_orders(db.Session, 1)
+    with db.Session() as s, s.begin():
+        queue.schedule(s, Order.id == order_id, at=clock() - timedelta(hours=1))
+        [lease] = queue.try_take(s)
+        assert queue.release(s, lease)
+    with db.Session() as s, s.begin():
+        [again] = queue.try_take(s)
+        assert (again.attempt, again.delivery.value, again.scheduled_at) == (1, "first", clock())
+
+
+def test_extend_lengthens_the_lease(
+    db: Backend, queue: EntityQueue[Order], clock: FakeClock
+) -> None:
+    [order_id] = add_orders(db.Session, 1)
+    with db.Session() as s, s.begin():
+        queue.schedule(s, Order.id == order_id)
+        [lease] = queue.try_take(s)
+    clock.advance(50)
+    with db.Session() as s, s.begin():
+        longer = queue.extend(s, lease, timedelta(minutes=10))
+        assert longer is not None and longer.lease_until == clock() + timedelta(minutes=10)
+    clock.advance(timedelta(minutes=5))
+    with db.Session() as s, s.begin():
+        assert queue.try_take(s) == []
+        assert queue.succeed(s, longer)
+
+
+def test_succeed_can_delete_rows_that_only_stand_for_the_work(
+    db: Backend, clock: FakeClock
+) -> None:
+    queue = EntityQueue(Order, clock=clock, delete_on_success=True)
+    ids = add_orders(db.Session, 2)
+    with db.Session() as s, s.begin():
+        queue.schedule(s, true())
+        first, second = queue.try_take(s, 2)
+        assert queue.succeed(s, first)
+        assert queue.succeed(s, second, delete=False)
+    with db.Session() as s:
+        assert s.scalars(select(Order.id)).all() == [ids[1]]
+
+
+def test_succeed_many_marks_a_batch_in_one_statement_per_take(
+    db: Backend, queue: EntityQueue[Order], clock: FakeClock
+) -> None:
+    ids = add_orders(db.Session, 5)
+    with db.Session() as s, s.begin():
+        queue.schedule(s, true())
+        taken = queue.try_take(s, 3) + queue.try_take(s, 3)
+        for lease in taken:
+            lease.entity.charge_count += 1
+        assert queue.succeed_many(s, taken) == 5
+        assert {lease.entity.queue_status for lease in taken} == {"succeeded"}
+    with db.Session() as s:
+        orders = s.scalars(select(Order).order_by(Order.id)).all()
+        assert [o.id for o in orders] == ids
+        assert {(o.queue_status, o.queue_attempts, o.charge_count) for o in orders} == {
+            ("succeeded", 1, 1)
+        }
+
+
+# -- search and admin on the user's own columns ------------------------------------------------
+
+
+def test_search_by_the_users_own_columns_is_a_plain_select(
+    db: Backend, queue: EntityQueue[Order], clock: FakeClock
+) -> None:
+    add_orders(db.Session, 3, company_id=3345)
+    add_orders(db.Session, 2, company_id=7, start=100)
+    with db.Session() as s, s.begin():
+        queue.schedule(s, true())
+        for lease in queue.try_take(s, 10):
+            if lease.entity.amount_cents % 2:
+                queue.fail(s, lease, "card declined")
+            else:
+                queue.succeed(s, lease)
+    with db.Session() as s:
+        plain = select(Order).where(Order.company_id == 3345, Order.queue_status == "failed")
+        failed_3345 = s.scalars(plain.order_by(Order.id)).all()
+        assert [o.reference for o in failed_3345] == ["o-1"]
+        assert s.scalars(retrying(Order).where(Order.company_id == 3345)).all() == failed_3345
+        assert (
+            s.scalar(
+                select(func.count()).select_from(
+                    succeeded(Order).where(Order.company_id == 7).subquery()
+                )
+            )
+            == 1
+        )
+        assert queue.counts(s, Order.company_id == 3345) == EntityCounts(0, 1, 0, 2, 0, 0)
+
+
+def test_stop_clears_the_next_attempt_and_wins_over_a_consumer_in_flight(
+    db: Backend, queue: EntityQueue[Order]
+) -> None:
+    a, b, c = add_orders(db.Session, 3)
+    with db.Session() as s, s.begin():
+        queue.schedule(s, true())
+        [lease] = queue.try_take(s)
+        assert lease.id == a
+    with db.Session() as s, s.begin():
+        assert queue.stop(s, Order.id.in_([a, b])) == 2
+    with db.Session() as s, s.begin():
+        assert not queue.succeed(s, lease)
+        assert [lease.id for lease in queue.try_take(s, 10)] == [c]
+    assert row(db.Session, a).queue_status == "new"
+    assert row(db.Session, b).queue_next_attempt_at is None
+
+
+def test_process_now_moves_waiting_rows_to_now_only(
+    db: Backend, queue: EntityQueue[Order], clock: FakeClock
+) -> None:
+    later, flight, idle = add_orders(db.Session, 3, company_id=9)
+    with db.Session() as s, s.begin():
+        queue.schedule(s, Order.id == later, at=clock() + timedelta(days=2))
+        queue.schedule(s, Order.id == flight)
+        [lease] = queue.try_take(s)
+        assert lease.id == flight
+    with db.Session() as s, s.begin():
+        assert queue.process_now(s, Order.company_id == 9) == 1
+        [taken] = queue.try_take(s, 10)
+        assert (taken.id, taken.scheduled_at) == (later, clock())
+    assert row(db.Session, idle).queue_next_attempt_at is None
+
+
+def test_schedule_by_filter_starts_a_fresh_run_and_resets_the_lease(
+    db: Backend, queue: EntityQueue[Order], clock: FakeClock
+) -> None:
+    ids = add_orders(db.Session, 3, company_id=4)
+    with db.Session() as s, s.begin():
+        assert queue.schedule(s, Order.company_id == 4) == 3
+        [lease] = queue.try_take(s)
+        queue.fail(s, lease, "once")
+    at = clock() + timedelta(minutes=30)
+    with db.Session() as s, s.begin():
+        assert queue.schedule(s, Order.id == ids[0], at=at) == 1
+    order = row(db.Session, ids[0])
+    assert (order.queue_attempts, order.queue_next_attempt_at) == (0, at)
+
+
+def test_admin_updates_refresh_entities_already_in_the_session(
+    db: Backend, queue: EntityQueue[Order]
+) -> None:
+    [order_id] = add_orders(db.Session, 1)
+    with db.Session() as s, s.begin():
+        order = s.get(Order, order_id)
+        assert order is not None and order.queue_next_attempt_at is None
+        queue.schedule(s, Order.id == order_id)
+        assert order.queue_next_attempt_at is not None
+        queue.stop(s, Order.id == order_id)
+        assert order.queue_next_attempt_at is None
+        # Inserted in this session: its unset nullable columns were never loaded.
+        fresh = Order(reference="fresh", company_id=1, amount_cents=1)
+        s.add(fresh)
+        s.flush()
+        assert fresh.queue_next_attempt_at is None
+        assert queue.schedule(s, Order.id == fresh.id) == 1
+        assert fresh.queue_next_attempt_at is not None
+        assert queue.stop(s, Order.id == fresh.id) == 1
+        assert fresh.queue_next_attempt_at is None
+
+
+def test_bad_input_is_rejected_before_any_sql(
+    db: Backend, queue: EntityQueue[Order], clock: FakeClock
+) -> None:
+    [order_id] = add_orders(db.Session, 1)
+    order = row(db.Session, order_id)
+    with db.Session() as s, s.begin():
+        with pytest.raises(InvalidArgument, match="instance attribute"):
+            queue.stop(s, order.id == order_id)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgument, match="instance attribute"):
+            queue.schedule(s, order.id == order_id)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgument, match="naive"):
+            queue.schedule(s, Order.id == order_id, at=clock().replace(tzinfo=None))
+        with pytest.raises(InvalidArgument, match="positive"):
+            queue.try_take(s, 0)
+        with pytest.raises(InvalidArgument, match="entities or a SQL condition"):
+            queue.schedule(s, ["x"])  # type: ignore[list-item]
+        with pytest.raises(InvalidArgument, match="whereclause"):
+            queue.schedule(s, failed(Order))  # type: ignore[arg-type]
+        assert queue.counts(s).pending == 0
+
+
+# -- the processing helper ---------------------------------------------------------------------
+
+
+class Provider:
+    """A payment provider that declines the amounts it is told to, counting every call."""
+
+    def __init__(self, declines: set[int]) -> None:
+        self.declines = declines
+        self.calls: list[int] = []
+
+    def charge(self, order: Order) -> None:
+        self.calls.append(order.id)
+        if order.amount_cents in self.declines:
+            raise RuntimeError(f"declined {order.amount_cents}")
+        order.charge_count += 1
+        order.payment_ref = f"pay-{order.id}"
+
+
+@pytest.mark.parametrize("transactional", [True, False], ids=["transactional", "lease"])
+def test_process_due_commits_success_with_the_handlers_changes_and_rolls_back_failures(
+    db: Backend, queue: EntityQueue[Order], transactional: bool
+) -> None:
+    ids = add_orders(db.Session, 4)
+    provider = Provider(declines={101})
+    with db.Session() as s, s.begin():
+        queue.schedule(s, true())
+    assert queue.process_due(db.Session, provider.charge, limit=3, transactional=transactional) == 3
+    assert queue.process_due(db.Session, provider.charge, transactional=transactional) == 1
+    assert queue.process_due(db.Session, provider.charge, transactional=transactional) == 0
+    assert sorted(provider.calls) == ids
+    with db.Session() as s:
+        orders = {o.id: o for o in s.scalars(select(Order))}
+        declined = orders.pop(ids[1])
+        assert (declined.charge_count, declined.payment_ref) == (0, None)
+        assert declined.queue_status == "failed"
+        assert declined.queue_last_error is not None
+        assert "declined 101" in declined.queue_last_error
+        for order in orders.values():
+            assert (order.charge_count, order.queue_status) == (1, "succeeded")
+            assert order.payment_ref == f"pay-{order.id}"
+
+
+# -- statements and plans --------------------------------------------------------------------
+
+
+def compiled(stmt: Any, dialect: Any) -> str:
+    return str(stmt.compile(dialect=dialect))
+
+
+DIALECTS: dict[str, Any] = {
+    "postgresql": postgresql.dialect,
+    "mariadb": mysql.dialect,
+    "sqlite": sqlite.dialect,
+}
+
+
+def test_the_take_locks_with_skip_locked_where_the_backend_has_it(
+    queue: EntityQueue[Order],
+) -> None:
+    def sql(backend: str, lock: Any) -> str:
+        return compiled(select_due(Order, queue.pk, queue.now(), 5, lock), DIALECTS[backend]())
+
+    pg = sql("postgresql", "update_skip_locked")
+    maria = sql("mariadb", "update_skip_locked")
+    lite = sql("sqlite", None)
+    for text in (pg, maria):
+        assert "FOR UPDATE SKIP LOCKED" in text
+        assert "ORDER BY eq_orders.queue_next_attempt_at, eq_orders.id" in text
+    assert "FOR UPDATE" not in lite
+
+
+def test_the_take_on_postgresql_is_an_index_scan(pg: Backend, queue: EntityQueue[Order]) -> None:
+    Base.metadata.drop_all(pg.engine)
+    Base.metadata.create_all(pg.engine)
+    add_orders(pg.Session, 200)
+    with pg.Session() as s, s.begin():
+        s.execute(sa.text("ANALYZE eq_orders"))
+        s.execute(sa.text("SET LOCAL enable_seqscan = off"))
+        stmt = select_due(Order, queue.pk, queue.now(), 10, "update_skip_locked")
+        conn = s.connection()
+        sql = stmt.compile(dialect=conn.dialect)
+        plan = "\n".join(conn.exec_driver_sql("EXPLAIN " + sql.string, sql.params).scalars())
+    Base.metadata.drop_all(pg.engine)
+    assert "ix_eq_orders_queue_next_attempt_at" in plan, plan
+
+
+def test_strategy_capabilities_decide_the_take(db: Backend) -> None:
+    with db.Session() as s:
+        lock = strategy_for(s).poll_lock
+    assert lock == (None if db.name == "sqlite" else "update_skip_locked")
+
+
+# -- races -----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transactional", [True, False], ids=["transactional", "lease"])
+def test_eight_consumers_process_two_thousand_entities_exactly_once(
+    server_db: Backend, clock: FakeClock, transactional: bool
+) -> None:
+    queue = EntityQueue(Order, clock=clock, lease=timedelta(hours=1), retry=NO_JITTER)
+    ids: list[int] = []
+    for start in range(0, 2000, 500):
+        ids += add_orders(server_db.Session, 500, start=start, company_id=start)
+    with server_db.Session() as s, s.begin():
+        assert queue.schedule(s, true()) == 2000
+    processed: list[int] = []
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(8)
+
+    def handler(order: Order) -> None:
+        processed.append(order.id)
+        order.charge_count += 1
+
+    def consume() -> None:
+        try:
+            barrier.wait()
+            while queue.process_due(
+                server_db.Session, handler, limit=5, transactional=transactional
+            ):
+                pass
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=consume) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert len(processed) == 2000
+    assert sorted(processed) == sorted(ids)
+    with server_db.Session() as s:
+        assert queue.counts(s) == EntityCounts(0, 0, 0, 2000, 0, 0)
+        assert s.scalar(select(func.min(Order.charge_count))) == 1
+        assert s.scalar(select(func.max(Order.charge_count))) == 1
+
+
+# -- the ALTER migration ---------------------------------------------------------------------
+
+ROWS = 10_000
+
+
+def alembic_config(script_dir: Path) -> Config:
+    """The entity app's Alembic environment, copied so generated revisions stay out of the repo."""
+    shutil.copytree(
+        ENTITY_APP / "migrations", script_dir, ignore=shutil.ignore_patterns("__pycache__")
+    )
+    cfg = Config()
+    cfg.set_main_option("script_location", str(script_dir))
+    cfg.set_main_option("path_separator", "os")
+    return cfg
+
+
+def alembic(cfg: Config, url: URL, fn: Any, *args: Any, **kwargs: Any) -> None:
+    engine = create_engine(url, poolclass=sa.NullPool)
+    try:
+        with engine.connect() as conn:
+            cfg.attributes["connection"] = conn
+            fn(cfg, *args, **kwargs)
+            conn.commit()
+    finally:
+        engine.dispose()
+
+
+def autogenerate(cfg: Config, url: URL) -> str:
+    """Autogenerate revision 0002 against ``url`` (at revision 0001); returns its source."""
+    alembic(cfg, url, command.revision, message="entity queue", autogenerate=True, rev_id="0002")
+    script_dir = Path(cfg.get_main_option("script_location") or "")
+    [script] = (script_dir / "versions").glob("0002_*.py")
+    return script.read_text()
+
+
+def upgrade_ops(source: str) -> str:
+    return source.split("def upgrade()")[1].split("def downgrade()")[0]
+
+
+@pytest.mark.slow
+def test_adding_the_mixin_to_a_populated_table_autogenerates_an_alter_that_runs(
+    fresh_database: tuple[str, URL], tmp_path: Path, clock: FakeClock
+) -> None:
+    _, url = fresh_database
+    cfg = alembic_config(tmp_path / "migrations")
+    alembic(cfg, url, command.upgrade, "head")
+    engine = create_engine(url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                sa.insert(OrderBefore),
+                [
+                    {"reference": f"r{i}", "company_id": i % 100, "amount_cents": i}
+                    for i in range(ROWS)
+                ],
+            )
+
+        source = autogenerate(cfg, url)
+        upgrade = upgrade_ops(source)
+        added = re.findall(r"op\.add_column\('eq_orders', sa\.Column\('(\w+)'", upgrade)
+        assert sorted(added) == sorted(QUEUE_COLUMNS)
+        assert "op.create_index(op.f('ix_eq_orders_queue_next_attempt_at')" in upgrade
+        assert "server_default='new'" in upgrade and "server_default='0'" in upgrade
+        assert "drop" not in upgrade and "alter_column" not in upgrade, upgrade
+        assert "sqla_delayedq._time" not in source
+        # The same revision whichever database it was generated against: one file runs on all.
+        scratch = alembic_config(tmp_path / "scratch")
+        scratch_url = URL.create("sqlite", database=str(tmp_path / "scratch.sqlite"))
+        alembic(scratch, scratch_url, command.upgrade, "head")
+        assert upgrade_ops(autogenerate(scratch, scratch_url)) == upgrade
+
+        alembic(cfg, url, command.upgrade, "head")
+        queue = EntityQueue(Order, clock=clock, retry=NO_JITTER)
+        sessions = sessionmaker(engine)
+        with sessions() as s, s.begin():
+            assert queue.counts(s) == EntityCounts(0, 0, 0, 0, 0, ROWS)
+            assert s.scalars(pending(Order)).first() is None
+            assert queue.schedule(s, true()) == ROWS
+        processed: list[int] = []
+        while True:
+            with sessions() as s, s.begin():
+                leases = queue.try_take(s, 500)
+                if not leases:
+                    break
+                for lease in leases:
+                    processed.append(lease.id)
+                    lease.entity.charge_count += 1
+                assert queue.succeed_many(s, leases) == len(leases)
+        assert len(processed) == ROWS and len(set(processed)) == ROWS
+        with sessions() as s:
+            assert queue.counts(s) == EntityCounts(0, 0, 0, ROWS, 0, 0)
+            assert s.scalar(select(func.sum(Order.charge_count))) == ROWS
+
+        alembic(cfg, url, command.downgrade, "0001")
+        columns = {c["name"] for c in inspect(engine).get_columns("eq_orders")}
+        assert not {c for c in columns if c.startswith("queue_")}
+        with engine.connect() as conn:
+            assert conn.scalar(select(func.count()).select_from(OrderBefore)) == ROWS
+    finally:
+        engine.dispose()
+
+
+# -- the docs ----------------------------------------------------------------------------------
+
+
+def test_the_docs_example_runs_when_pasted(tmp_path: Path) -> None:
+    doc = (Path(__file__).parent.parent / "docs" / "entity-queues.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", doc, flags=re.S)
+    assert len(blocks) >= 5
+    script = tmp_path / "example.py"
+    script.write_text("\n".join(blocks))
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    out = done.stdout.splitlines()
+    assert out[0] == "EntityCounts(due=0, scheduled=2, in_flight=0, succeeded=2, failed=0, idle=0)"
+    assert out[1].startswith("ORD-2 1 ") and out[1].endswith(
+        "ProviderTimeout: no answer within 10 s for ORD-2"
+    )
+    assert "PaymentDeclined: 25000 is over the limit of 10000" in out[2]
+    assert out[3:] == [
+        "['ORD-2', 'ORD-3'] 2",
+        "2",
+        "[('ORD-3', 3)]",
+        "1",
+        "0",
+        "EntityCounts(due=0, scheduled=0, in_flight=0, succeeded=3, failed=0, idle=0)",
+        "1",
+    ]
+
+
+def test_lease_value_object_is_frozen(clock: FakeClock) -> None:
+    lease = EntityLease(1, Order(), "t", 1, Delivery.FIRST, clock(), clock())
+    with pytest.raises(AttributeError):
+        lease.attempt = 2  # type: ignore[misc]
