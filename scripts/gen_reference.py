@@ -49,6 +49,9 @@ SECTIONS = {
     "sqla_delayedq._engine": "Engines",
     "sqla_delayedq._dialects": "Backends",
     "sqla_delayedq.errors": "Errors",
+    "sqla_delayedq.entity": "Entity queues",
+    "sqla_delayedq.cron": "Cron service",
+    "sqla_delayedq._cron_schedules": "Cron schedules",
     "sqla_delayedq.worker": "The sync worker",
     "sqla_delayedq.aio": "asyncio",
 }
@@ -86,6 +89,14 @@ def inline(text: str) -> str:
     return re.sub(r"``(.+?)``", r"`\1`", text)
 
 
+def cell(text: str) -> str:
+    """Inline markup for a Markdown table cell, whose ``|`` must be escaped."""
+    return inline(text).replace("|", "\\|")
+
+
+SIMPLE_TABLE = re.compile(r"^=+( +=+)+\s*$")
+
+
 def _is_python(code: str) -> bool:
     try:
         compile(code, "<doc>", "exec", ast.PyCF_ONLY_AST | ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
@@ -103,6 +114,22 @@ def markdown(doc: str | None) -> str:
     i = 0
     while i < len(lines):
         line = lines[i]
+        if SIMPLE_TABLE.match(line):  # a two-column reST simple table, without a header
+            start = len(line) - len(line[line.index(" ") :].lstrip())
+            rows: list[list[str]] = []
+            i += 1
+            while i < len(lines) and not SIMPLE_TABLE.match(lines[i]):
+                first, second = lines[i][:start].strip(), lines[i][start:].strip()
+                if first or not rows:
+                    rows.append([first, second])
+                else:
+                    rows[-1][1] += " " + second
+                i += 1
+            i += 1
+            out += ["", "| | |", "|---|---|"]
+            out += [f"| {cell(a)} | {cell(b)} |" for a, b in rows]
+            out.append("")
+            continue
         if line.rstrip().endswith("::"):
             text = line.rstrip()[:-2].rstrip()
             if text:
