@@ -52,6 +52,8 @@ class Strategy(abc.ABC):
     insert_returning: bool = True
     #: Whether ``NOTIFY`` exists to wake listeners on commit.
     has_notify: ClassVar[bool] = False
+    #: Whether ``UPDATE ... RETURNING`` exists.
+    update_returning: ClassVar[bool] = True
     #: Batch offers insert first and read only the keys that were not written. Backends whose
     #: insert-if-absent takes shared locks on existing rows (MySQL) read-lock first instead.
     batch_insert_first: ClassVar[bool] = True
@@ -86,6 +88,10 @@ class Strategy(abc.ABC):
     @abc.abstractmethod
     def insert_ignore(self, t: Table) -> Insert:
         """``INSERT`` that skips rows whose (queue, key) exists, waiting on racing inserts."""
+
+    def insert_or_lock(self, t: Table) -> Insert:
+        """Insert-if-absent for a row the transaction will then lock ``FOR UPDATE``."""
+        return self.insert_ignore(t)
 
     def claim(
         self,
@@ -199,11 +205,18 @@ class MySQLStrategy(Strategy):
     offer_lock = "share"
     insert_returning = False
     batch_insert_first = False
+    update_returning = False
 
     TRANSIENT_CODES = frozenset({1205, 1213, 1927, 2003, 2006, 2013, 2055, 4031})
 
     def insert_ignore(self, t: Table) -> Insert:
         return mysql.insert(t).prefix_with("IGNORE")
+
+    def insert_or_lock(self, t: Table) -> Insert:
+        # INSERT IGNORE leaves a shared lock on a duplicate; two transactions that both upgrade it
+        # for the FOR UPDATE that follows deadlock. A no-op ON DUPLICATE KEY UPDATE locks it
+        # exclusively instead.
+        return mysql.insert(t).on_duplicate_key_update(id=t.c.id)
 
     @classmethod
     def is_transient(cls, exc: BaseException) -> bool:

@@ -50,13 +50,12 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from sqlalchemy import Table, and_, case, delete, func, literal_column, select, update
-from sqlalchemy.dialects import mysql
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import ColumnElement
 
 from . import _statements as st
 from ._cron_schedules import CronSchedule, DailySchedule, PeriodicTick, Schedule
-from ._dialects import MySQLStrategy, Strategy, is_transient, strategy_for
+from ._dialects import Strategy, is_transient, strategy_for
 from ._queue import DelayedQueue
 from ._time import require_aware, require_duration
 from ._types import OfferMode, Outcome, QueueCounts
@@ -415,13 +414,7 @@ def _create_state(
         "created_at": now,
         "attempts": 0,
     }
-    if isinstance(strategy, MySQLStrategy):
-        # InnoDB: INSERT IGNORE takes a shared lock on a duplicate, and two installers that both
-        # upgrade it for the FOR UPDATE that follows deadlock; this takes an exclusive one.
-        stmt: Any = mysql.insert(t).values(row).on_duplicate_key_update(id=t.c.id)
-    else:
-        stmt = strategy.insert_ignore(t).values(row)
-    session.execute(stmt)
+    session.execute(strategy.insert_or_lock(t).values(row))
 
 
 def _lock_state(

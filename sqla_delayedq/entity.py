@@ -46,7 +46,7 @@ from sqlalchemy.orm.attributes import set_committed_value
 from sqlalchemy.sql import ColumnElement, Delete, Select, Update
 
 from . import _statements as st
-from ._dialects import MySQLStrategy, Strategy, strategy_for
+from ._dialects import Strategy, strategy_for
 from ._queue import error_text
 from ._time import Clock, DateTimeUTC, require_aware, require_duration, system_clock
 from ._types import Delivery, NackOutcome
@@ -689,4 +689,4 @@ class EntityQueue(Generic[M]):
 
 def _update_returning(strategy: Strategy) -> bool:
     """Whether ``UPDATE ... RETURNING`` exists: PostgreSQL and SQLite, not MariaDB/MySQL."""
-    return bool(getattr(strategy, "update_returning", not isinstance(strategy, MySQLStrategy)))
+    return strategy.update_returning

@@ -1,0 +1,301 @@
+"""The workloads, each twice: sqla_delayedq through its public API, and a hand-written baseline.
+
+The baseline is plain psycopg 3 with the best plain-SQL technique for each workload: autocommit
+single-statement inserts (E1), ``COPY`` (E2), single-statement ``DELETE ... RETURNING`` takes
+with ``SKIP LOCKED`` (C1, C2), ``LISTEN``/``NOTIFY`` (L1).
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy.engine import URL
+from sqlalchemy.orm import sessionmaker
+
+from sqla_delayedq import DelayedQueue, create_engine
+from sqla_delayedq.worker import Worker
+
+from ._env import Measure, Meter
+
+QUEUE = "bench"
+
+
+def payload(i: int) -> dict[str, Any]:
+    return {"user_id": i, "kind": "reminder", "note": "remember to renew your subscription"}
+
+
+def _libpq(url: URL) -> str:
+    return url.set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def _fill(url: URL, n: int) -> None:
+    engine = create_engine(url)
+    sessions = sessionmaker(engine)
+    q = DelayedQueue(QUEUE)
+    now = datetime.now(timezone.utc)
+    for start in range(0, n, 5000):
+        with sessions.begin() as s:
+            q.offer_batch(s, [(f"m{i}", payload(i), now) for i in range(start, min(n, start + 5000))])
+    engine.dispose()
+
+
+def _wait_for(counter: Callable[[], int], n: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while counter() < n and time.monotonic() < deadline:
+        time.sleep(0.002)
+    if counter() < n:
+        raise RuntimeError(f"only {counter()} of {n} messages handled in {timeout} s")
+
+
+# -- E1: one message per transaction --------------------------------------------------------
+
+
+def ours_e1(url: URL, backend: str, n: int) -> Measure:
+    engine = create_engine(url)
+    sessions = sessionmaker(engine)
+    q = DelayedQueue(QUEUE)
+    with sessions.begin() as s:  # connect and warm the statement cache outside the timing
+        q.offer(s, "warm-up", payload(-1))
+    with Meter(backend) as m:
+        for i in range(n):
+            with sessions.begin() as s:
+                q.offer(s, f"e1-{i}", payload(i))
+    engine.dispose()
+    return m.result(n)
+
+
+def base_e1(url: URL, backend: str, n: int) -> Measure:
+    import psycopg
+    from psycopg.types.json import Jsonb
+
+    sql = (
+        "INSERT INTO delayed_queue (queue, key, payload_type, payload, status, scheduled_at,"
+        " scheduled_at_initially, created_at, attempts) VALUES (%s, %s, 'json', %s, 'pending',"
+        " %s, %s, %s, 0) ON CONFLICT (queue, key) DO NOTHING"
+    )
+    with psycopg.connect(_libpq(url), autocommit=True) as conn:
+        now = datetime.now(timezone.utc)
+        conn.execute(sql, (QUEUE, "warm-up", Jsonb(payload(-1)), now, now, now))
+        with Meter(backend) as m:
+            for i in range(n):
+                now = datetime.now(timezone.utc)
+                conn.execute(sql, (QUEUE, f"e1-{i}", Jsonb(payload(i)), now, now, now))
+    return m.result(n)
+
+
+# -- E2: batches of 1,000 -------------------------------------------------------------------
+
+
+def ours_e2(url: URL, backend: str, n: int, batch: int = 1000) -> Measure:
+    engine = create_engine(url)
+    sessions = sessionmaker(engine)
+    q = DelayedQueue(QUEUE)
+    with sessions.begin() as s:
+        q.offer_batch(s, [("warm-up", payload(-1))])
+    with Meter(backend) as m:
+        for start in range(0, n, batch):
+            with sessions.begin() as s:
+                q.offer_batch(s, [(f"e2-{i}", payload(i)) for i in range(start, start + batch)])
+    engine.dispose()
+    return m.result(n)
+
+
+def base_e2(url: URL, backend: str, n: int, batch: int = 1000) -> Measure:
+    import psycopg
+    from psycopg.types.json import Jsonb
+
+    copy = (
+        "COPY delayed_queue (queue, key, payload_type, payload, status, scheduled_at,"
+        " scheduled_at_initially, created_at, attempts) FROM STDIN"
+    )
+    with psycopg.connect(_libpq(url)) as conn, Meter(backend) as m:
+        for start in range(0, n, batch):
+            now = datetime.now(timezone.utc)
+            with conn.transaction(), conn.cursor().copy(copy) as cp:
+                for i in range(start, start + batch):
+                    cp.write_row((QUEUE, f"e2-{i}", "json", Jsonb(payload(i)), "pending", now, now, now, 0))
+    return m.result(n)
+
+
+# -- C1 / C2: drains with 4 consumers ---------------------------------------------------------
+
+
+def ours_c1(url: URL, backend: str, n: int, consumers: int = 4) -> Measure:
+    """Take and ack per message: the worker's transactional mode (delete-on-take)."""
+    _fill(url, n)
+    engine = create_engine(url, pool_size=consumers + 2)
+    sessions = sessionmaker(engine)
+    q = DelayedQueue(QUEUE)
+    done: list[int] = []
+    worker = Worker(sessions, concurrency=consumers, poll_interval=0.05, listen=False)
+    worker.register(q, lambda env, session: done.append(1), mode="transactional")
+    with Meter(backend) as m:
+        worker.start()
+        _wait_for(lambda: len(done), n, 600)
+    worker.stop(5)
+    engine.dispose()
+    return m.result(n)
+
+
+def ours_c2(url: URL, backend: str, n: int, consumers: int = 4, batch: int = 100) -> Measure:
+    """Up to 100 per take, ack per batch: a batch handler in lease mode."""
+    _fill(url, n)
+    engine = create_engine(url, pool_size=consumers + 2)
+    sessions = sessionmaker(engine)
+    q = DelayedQueue(QUEUE)
+    done: list[int] = []
+    lock = threading.Lock()
+
+    def handle(envelopes: list[Any]) -> None:
+        with lock:
+            done.append(len(envelopes))
+
+    worker = Worker(sessions, concurrency=consumers, poll_interval=0.05, listen=False)
+    worker.register_batch(q, handle, batch_size=batch)
+    with Meter(backend) as m:
+        worker.start()
+        _wait_for(lambda: sum(done), n, 600)
+    worker.stop(5)
+    engine.dispose()
+    return m.result(n)
+
+
+BASE_TAKE = (
+    "DELETE FROM delayed_queue WHERE id = ANY(ARRAY(SELECT id FROM delayed_queue"
+    " WHERE queue = %s AND scheduled_at <= %s ORDER BY scheduled_at, id LIMIT %s"
+    " FOR UPDATE SKIP LOCKED)) RETURNING id, key, payload"
+)
+
+
+def _base_drain(url: URL, backend: str, n: int, consumers: int, batch: int) -> Measure:
+    import psycopg
+
+    _fill(url, n)
+    counts: list[int] = []
+    lock = threading.Lock()
+
+    def consume() -> None:
+        with psycopg.connect(_libpq(url), autocommit=True) as conn:
+            while True:
+                rows = conn.execute(BASE_TAKE, (QUEUE, datetime.now(timezone.utc), batch)).fetchall()
+                if not rows:
+                    return
+                with lock:
+                    counts.append(len(rows))
+
+    with Meter(backend) as m:
+        threads = [threading.Thread(target=consume) for _ in range(consumers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    if sum(counts) != n:
+        raise RuntimeError(f"baseline drained {sum(counts)} of {n}")
+    return m.result(n)
+
+
+def base_c1(url: URL, backend: str, n: int, consumers: int = 4) -> Measure:
+    return _base_drain(url, backend, n, consumers, 1)
+
+
+def base_c2(url: URL, backend: str, n: int, consumers: int = 4, batch: int = 100) -> Measure:
+    return _base_drain(url, backend, n, consumers, batch)
+
+
+# -- L1: latency from offer commit to handler start ---------------------------------------------
+
+
+def _percentiles(latencies: list[float]) -> dict[str, float]:
+    qs = statistics.quantiles(latencies, n=100, method="inclusive")
+    return {"p50_ms": qs[49] * 1000, "p95_ms": qs[94] * 1000, "p99_ms": qs[98] * 1000}
+
+
+def ours_l1(url: URL, backend: str, n: int, rate: float = 200.0) -> Measure:
+    engine = create_engine(url, pool_size=4)
+    producer_engine = create_engine(url)
+    sessions = sessionmaker(engine)
+    producer = sessionmaker(producer_engine)
+    q = DelayedQueue(QUEUE)
+    committed: dict[int, float] = {}
+    started: dict[int, float] = {}
+
+    def handle(env: Any, session: Any) -> None:
+        started[env.payload["user_id"]] = time.perf_counter()
+
+    # Transactional mode: the handler starts right after the take, before any commit.
+    worker = Worker(sessions, concurrency=1, poll_interval=1.0)
+    worker.register(q, handle, mode="transactional")
+    worker.start()
+    time.sleep(0.5)  # the listener connects
+    with Meter(backend) as m:
+        t0 = time.perf_counter()
+        for i in range(n):
+            delay = t0 + i / rate - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            with producer.begin() as s:
+                q.offer(s, f"l1-{i}", payload(i))
+            committed[i] = time.perf_counter()
+        _wait_for(lambda: len(started), n, 60)
+    worker.stop(5)
+    engine.dispose()
+    producer_engine.dispose()
+    return m.result(n, **_percentiles([started[i] - committed[i] for i in range(n)]))
+
+
+def base_l1(url: URL, backend: str, n: int, rate: float = 200.0) -> Measure:
+    import psycopg
+    from psycopg.types.json import Jsonb
+
+    libpq = _libpq(url)
+    committed: dict[int, float] = {}
+    started: dict[int, float] = {}
+    stop = threading.Event()
+
+    def listen() -> None:
+        with psycopg.connect(libpq, autocommit=True) as conn:
+            conn.execute("LISTEN delayedq_bench")
+            ready.set()
+            while not stop.is_set():
+                for _ in conn.notifies(timeout=0.2, stop_after=1):
+                    break
+                while True:
+                    rows = conn.execute(BASE_TAKE, (QUEUE, datetime.now(timezone.utc), 1)).fetchall()
+                    if not rows:
+                        break
+                    started[rows[0][2]["user_id"]] = time.perf_counter()
+
+    ready = threading.Event()
+    listener = threading.Thread(target=listen)
+    listener.start()
+    ready.wait()
+    insert = (
+        "INSERT INTO delayed_queue (queue, key, payload_type, payload, status, scheduled_at,"
+        " scheduled_at_initially, created_at, attempts) VALUES (%s, %s, 'json', %s, 'pending',"
+        " %s, %s, %s, 0) ON CONFLICT (queue, key) DO NOTHING"
+    )
+    with psycopg.connect(libpq) as conn, Meter(backend) as m:
+        t0 = time.perf_counter()
+        for i in range(n):
+            delay = t0 + i / rate - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            now = datetime.now(timezone.utc)
+            with conn.transaction():
+                conn.execute(insert, (QUEUE, f"l1-{i}", Jsonb(payload(i)), now, now, now))
+                conn.execute("NOTIFY delayedq_bench")
+            committed[i] = time.perf_counter()
+        _wait_for(lambda: len(started), n, 60)
+    stop.set()
+    listener.join()
+    return m.result(n, **_percentiles([started[i] - committed[i] for i in range(n)]))
+
+
+OURS = {"E1": ours_e1, "E2": ours_e2, "C1": ours_c1, "C2": ours_c2, "L1": ours_l1}
+BASE = {"E1": base_e1, "E2": base_e2, "C1": base_c1, "C2": base_c2, "L1": base_l1}
+SIZES = {"E1": 5_000, "E2": 100_000, "C1": 20_000, "C2": 100_000, "L1": 2_000}
