@@ -1,0 +1,473 @@
+"""The sync worker's contract, in-process, on every backend.
+
+Handlers run on real worker threads against a real database; deliveries are counted in lists
+(a set would hide duplicates). Faults with real processes are in ``test_worker_faults.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from sqla_delayedq import DelayedQueue, Delivery, Envelope, ExponentialBackoff, NackOutcome
+from sqla_delayedq.worker import Worker, WorkerHooks
+
+MODES = ("lease", "transactional")
+DEAD = NackOutcome.DEAD
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.01) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+@contextlib.contextmanager
+def running(worker: Worker, drain_timeout: float = 10.0) -> Iterator[Worker]:
+    worker.start()
+    try:
+        yield worker
+    finally:
+        worker.stop(drain_timeout)
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class RecordingHooks(WorkerHooks):
+    """Everything the worker reports, in order."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.processed_: list[tuple[str, str, float]] = []
+        self.failed_: list[tuple[str, str, int, BaseException, NackOutcome]] = []
+        self.redelivered_: list[tuple[str, str]] = []
+        self.lags: list[tuple[str, float]] = []
+
+    def processed(self, queue: str, envelope: Envelope[Any], seconds: float) -> None:
+        with self.lock:
+            self.processed_.append((queue, envelope.key, seconds))
+
+    def failed(
+        self, queue: str, envelope: Envelope[Any], error: BaseException, outcome: NackOutcome
+    ) -> None:
+        with self.lock:
+            self.failed_.append((queue, envelope.key, envelope.attempt, error, outcome))
+
+    def redelivered(self, queue: str, envelope: Envelope[Any]) -> None:
+        with self.lock:
+            self.redelivered_.append((queue, envelope.key))
+
+    def lag(self, queue: str, seconds: float) -> None:
+        with self.lock:
+            self.lags.append((queue, seconds))
+
+
+def pending(backend: Any, q: DelayedQueue[Any]) -> int:
+    with backend.Session() as s:
+        return q.counts(s).pending
+
+
+def offer(backend: Any, q: DelayedQueue[Any], key: str, payload: Any = None, **kw: Any) -> None:
+    with backend.Session() as s, s.begin():
+        q.offer(s, key, payload if payload is not None else {}, **kw)
+
+
+# -- exactly once -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_message_is_handled_exactly_once(backend, mode):
+    total = 200
+    q: DelayedQueue[Any] = DelayedQueue(f"once-{mode}")
+    with backend.Session() as s, s.begin():
+        q.offer_batch(s, [(f"m{i:04d}", {"i": i}) for i in range(total)])
+    delivered: list[str] = []  # a list: a duplicate must show
+    lock = threading.Lock()
+
+    def lease_handler(env: Envelope[Any]) -> None:
+        with lock:
+            delivered.append(env.key)
+
+    def transactional_handler(env: Envelope[Any], session: Session) -> None:
+        assert session.in_transaction()
+        lease_handler(env)
+
+    hooks = RecordingHooks()
+    worker = Worker(backend.Session, concurrency=4, poll_interval=0.1, listen=False, hooks=hooks)
+    worker.register(q, lease_handler if mode == "lease" else transactional_handler, mode=mode)
+    with running(worker):
+        assert wait_for(lambda: len(delivered) >= total and pending(backend, q) == 0, 60, 0.05)
+    duplicates = {k: n for k, n in Counter(delivered).items() if n > 1}
+    assert duplicates == {}
+    assert sorted(delivered) == [f"m{i:04d}" for i in range(total)]
+    assert len(hooks.processed_) == total
+    assert hooks.failed_ == [] and hooks.redelivered_ == []
+
+
+# -- failures ---------------------------------------------------------------------------------
+
+
+def _failing_handler(mode: str, seen: list[int]) -> Callable[..., None]:
+    def handler(env: Envelope[Any], session: Session | None = None) -> None:
+        seen.append(env.attempt)
+        raise ValueError(f"boom on attempt {env.attempt}")
+
+    if mode == "lease":
+        return lambda env: handler(env)
+    return handler
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_handler_exception_is_a_nack_with_the_error_text(backend, mode):
+    retry = ExponentialBackoff(max_attempts=5, initial=timedelta(hours=1), jitter=0)
+    q: DelayedQueue[Any] = DelayedQueue("nack", retry=retry)
+    offer(backend, q, "bad")
+    seen: list[int] = []
+    hooks = RecordingHooks()
+    worker = Worker(backend.Session, concurrency=1, poll_interval=0.1, listen=False, hooks=hooks)
+    worker.register(q, _failing_handler(mode, seen), mode=mode)
+    before = utcnow()
+    with running(worker):
+        assert wait_for(lambda: len(hooks.failed_) == 1, 10)
+        time.sleep(0.3)  # a second take would show now
+    assert seen == [1]
+    (_, key, attempt, error, outcome) = hooks.failed_[0]
+    assert (key, attempt, outcome) == ("bad", 1, NackOutcome.RETRY_SCHEDULED)
+    assert isinstance(error, ValueError)
+    with backend.Session() as s:
+        info = q.get(s, "bad")
+    assert info is not None
+    assert info.status == "pending" and info.lock_token is None
+    assert info.attempts == 1
+    assert info.last_error is not None and "ValueError: boom on attempt 1" in info.last_error
+    assert info.last_attempt_at is not None and info.last_attempt_at >= before - timedelta(1)
+    assert info.scheduled_at is not None
+    assert info.scheduled_at >= before + timedelta(minutes=59)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_message_that_keeps_failing_is_dead_after_max_attempts(backend, mode):
+    retry = ExponentialBackoff(max_attempts=3, initial=timedelta(milliseconds=10), jitter=0)
+    q: DelayedQueue[Any] = DelayedQueue("dies", retry=retry)
+    offer(backend, q, "bad")
+    seen: list[int] = []
+    hooks = RecordingHooks()
+    worker = Worker(backend.Session, concurrency=1, poll_interval=0.05, listen=False, hooks=hooks)
+    worker.register(q, _failing_handler(mode, seen), mode=mode)
+    with running(worker):
+        assert wait_for(lambda: len(hooks.failed_) >= 3, 10)
+        time.sleep(0.3)  # a fourth take would show now
+    assert seen == [1, 2, 3]
+    assert [f[4] for f in hooks.failed_] == [
+        NackOutcome.RETRY_SCHEDULED,
+        NackOutcome.RETRY_SCHEDULED,
+        NackOutcome.DEAD,
+    ]
+    with backend.Session() as s:
+        info = q.get(s, "bad")
+        counts = q.counts(s)
+    assert info is not None
+    assert (info.status, info.attempts, info.scheduled_at) == ("dead", 3, None)
+    assert info.last_error is not None and "ValueError: boom on attempt 3" in info.last_error
+    assert (counts.dead, counts.pending) == (1, 0)
+
+
+def test_a_failing_transactional_handler_runs_at_most_max_attempts_times(backend):
+    """Each failed run counts: no other thread may take the message before its failure is
+    recorded and run it again under the same attempt number."""
+    retry = ExponentialBackoff(max_attempts=2, initial=timedelta(milliseconds=10), jitter=0)
+    q: DelayedQueue[Any] = DelayedQueue("attempts", retry=retry)
+    keys = [f"bad{i}" for i in range(5)]
+    with backend.Session() as s, s.begin():
+        q.offer_batch(s, [(k, {}) for k in keys])
+    runs: list[tuple[str, int]] = []
+    lock = threading.Lock()
+
+    def handler(env: Envelope[Any], session: Session) -> None:
+        with lock:
+            runs.append((env.key, env.attempt))
+        raise ValueError("always")
+
+    worker = Worker(backend.Session, concurrency=4, poll_interval=0.02, listen=False)
+    worker.register(q, handler, mode="transactional")
+    with running(worker):
+        wait_for(lambda: pending(backend, q) == 0, 10, 0.05)
+    repeated = {run: n for run, n in Counter(runs).items() if n > 1}
+    assert repeated == {}, "an attempt ran again before its failure was recorded"
+    assert sorted(runs) == sorted((k, a) for k in keys for a in (1, 2))
+
+
+# -- transactional mode: the handler's writes -------------------------------------------------
+
+effects = sa.Table(
+    "wk_effects",
+    sa.MetaData(),
+    sa.Column("key", sa.String(200), primary_key=True),
+    sa.Column("note", sa.String(100), nullable=False),
+)
+
+
+@pytest.fixture
+def effects_table(backend):
+    effects.drop(backend.engine, checkfirst=True)
+    effects.create(backend.engine)
+    yield effects
+    effects.drop(backend.engine, checkfirst=True)
+
+
+def test_transactional_writes_commit_with_the_ack_and_roll_back_on_failure(backend, effects_table):
+    retry = ExponentialBackoff(max_attempts=5, initial=timedelta(hours=1), jitter=0)
+    q: DelayedQueue[Any] = DelayedQueue("effects", retry=retry)
+    with backend.Session() as s, s.begin():
+        q.offer(s, "good", {"fail": None})
+        q.offer(s, "raises", {"fail": "raise"})
+        q.offer(s, "sql-error", {"fail": "sql"})
+
+    def handler(env: Envelope[Any], session: Session) -> None:
+        session.execute(effects.insert().values(key=env.key, note="written"))
+        if env.payload["fail"] == "raise":
+            raise RuntimeError("failed after writing")
+        if env.payload["fail"] == "sql":  # a database error inside the handler's own work
+            session.execute(effects.insert().values(key=env.key, note="again"))
+
+    hooks = RecordingHooks()
+    worker = Worker(backend.Session, concurrency=1, poll_interval=0.1, listen=False, hooks=hooks)
+    worker.register(q, handler, mode="transactional")
+    with running(worker):
+        assert wait_for(lambda: len(hooks.processed_) + len(hooks.failed_) >= 3, 10)
+    assert [p[1] for p in hooks.processed_] == ["good"]
+    assert sorted(f[1] for f in hooks.failed_) == ["raises", "sql-error"]
+    with backend.Session() as s:
+        written = s.execute(sa.select(effects.c.key, effects.c.note)).all()
+        assert [tuple(r) for r in written] == [("good", "written")]
+        assert q.get(s, "good") is None  # acknowledged in the same commit as the write
+        failed = {k: q.get(s, k) for k in ("raises", "sql-error")}
+    raised, sql_error = failed["raises"], failed["sql-error"]
+    assert raised is not None and sql_error is not None
+    assert raised.attempts == 1 and sql_error.attempts == 1
+    assert "RuntimeError: failed after writing" in (raised.last_error or "")
+    assert "IntegrityError" in (sql_error.last_error or "")
+    assert raised.status == sql_error.status == "pending"
+
+
+KILL_OWN_CONNECTION = {
+    "postgresql": ("SELECT pg_backend_pid()", "SELECT pg_terminate_backend(:id)"),
+    "mariadb": ("SELECT CONNECTION_ID()", "KILL CONNECTION :id"),
+}
+
+
+def test_a_lost_connection_in_a_transactional_handler_is_retried_not_a_failed_attempt(
+    server_backend,
+):
+    """DESIGN §7: a lost connection is a transient database error, retried; nothing is lost.
+
+    The transaction that took the message is gone with the connection, so the message is due
+    again at once; it must not count as a failed attempt (with ``max_attempts=1`` that would
+    make it dead).
+    """
+    q: DelayedQueue[Any] = DelayedQueue("lost-connection", retry=ExponentialBackoff(max_attempts=1))
+    offer(server_backend, q, "m")
+    own_id, kill = KILL_OWN_CONNECTION[server_backend.name]
+    calls: list[int] = []
+
+    def handler(env: Envelope[Any], session: Session) -> None:
+        calls.append(env.attempt)
+        if len(calls) == 1:
+            conn_id = session.execute(sa.text(own_id)).scalar_one()
+            with server_backend.engine.connect() as other:
+                other.execute(sa.text(kill), {"id": conn_id})
+            session.execute(sa.text("SELECT 1"))  # the connection is gone: this raises
+
+    hooks = RecordingHooks()
+    worker = Worker(
+        server_backend.Session, concurrency=1, poll_interval=0.1, listen=False, hooks=hooks
+    )
+    worker.register(q, handler, mode="transactional")
+    with running(worker):
+        wait_for(lambda: bool(hooks.processed_) or any(f[4] is DEAD for f in hooks.failed_), 5)
+    with server_backend.Session() as s:
+        info = q.get(s, "m")
+    assert info is None or info.status != "dead", f"a lost connection buried it: {info}"
+    assert [p[1] for p in hooks.processed_] == ["m"]
+    assert calls == [1, 1]
+
+
+# -- wake-ups ---------------------------------------------------------------------------------
+
+
+def test_an_idle_worker_wakes_on_an_offer_committed_in_this_process(backend):
+    q: DelayedQueue[Any] = DelayedQueue("wake")
+    handled: list[float] = []
+    worker = Worker(backend.Session, concurrency=2, poll_interval=30, listen=False)
+    worker.register(q, lambda env: handled.append(time.monotonic()))
+    with running(worker):
+        time.sleep(0.5)  # every thread has polled once and sleeps for up to 30 s
+        offered = time.monotonic()
+        offer(backend, q, "now")
+        assert wait_for(lambda: bool(handled), 5)
+    assert handled[0] - offered < 1.0
+
+
+def test_an_idle_worker_sleeps_only_until_the_next_due_message(backend):
+    q: DelayedQueue[Any] = DelayedQueue("next-due")
+    handled: list[datetime] = []
+    worker = Worker(backend.Session, concurrency=2, poll_interval=30, listen=False)
+    worker.register(q, lambda env: handled.append(utcnow()))
+    with running(worker):
+        time.sleep(0.3)
+        offered = utcnow()
+        due = offered + timedelta(seconds=0.5)
+        offer(backend, q, "soon", at=due)
+        assert wait_for(lambda: bool(handled), 5)
+    assert due <= handled[0] <= offered + timedelta(seconds=1.5)
+
+
+# -- heartbeats -------------------------------------------------------------------------------
+
+
+def test_a_long_lease_mode_handler_keeps_its_lease(backend):
+    q: DelayedQueue[Any] = DelayedQueue("heartbeat")
+    delivered: list[Delivery] = []
+
+    def handler(env: Envelope[Any]) -> None:
+        delivered.append(env.delivery)
+        time.sleep(4)
+
+    hooks = RecordingHooks()
+    worker = Worker(backend.Session, concurrency=2, poll_interval=0.1, listen=False, hooks=hooks)
+    worker.register(q, handler, lease=timedelta(seconds=1.5))
+    offer(backend, q, "long")
+    with running(worker):
+        assert wait_for(lambda: len(hooks.processed_) == 1, 10)
+    assert delivered == [Delivery.FIRST]  # the second thread never got it
+    assert hooks.redelivered_ == []
+    assert pending(backend, q) == 0
+
+
+def test_a_handler_past_its_timeout_loses_its_lease_and_is_redelivered(backend):
+    q: DelayedQueue[Any] = DelayedQueue("hung")
+    delivered: list[tuple[Delivery, float]] = []
+    finished: list[Delivery] = []
+
+    def handler(env: Envelope[Any]) -> None:
+        delivered.append((env.delivery, time.monotonic()))
+        if env.delivery is Delivery.FIRST:
+            time.sleep(4)  # "hung": longer than handler_timeout plus a lease
+        finished.append(env.delivery)
+
+    hooks = RecordingHooks()
+    worker = Worker(backend.Session, concurrency=2, poll_interval=0.1, listen=False, hooks=hooks)
+    worker.register(
+        q, handler, lease=timedelta(seconds=1.5), handler_timeout=timedelta(seconds=0.5)
+    )
+    offer(backend, q, "hung")
+    with running(worker):
+        assert wait_for(lambda: len(finished) == 2, 10)
+    assert [d for d, _ in delivered] == [Delivery.FIRST, Delivery.REDELIVERY]
+    assert delivered[1][1] - delivered[0][1] >= 1.4  # not before the lease ran out
+    assert hooks.redelivered_ == [("hung", "hung")]
+    assert [p[1] for p in hooks.processed_] == ["hung"]  # the hung attempt's ack was refused
+    assert pending(backend, q) == 0
+
+
+# -- hooks ------------------------------------------------------------------------------------
+
+
+def test_hooks_report_processed_failed_redelivered_and_lag(backend):
+    q: DelayedQueue[Any] = DelayedQueue("hooks", retry=ExponentialBackoff(max_attempts=1))
+    offer(backend, q, "abandoned", {"fail": False})
+    with backend.Session() as s, s.begin():  # a consumer takes it and never comes back
+        assert q.try_poll(s, lease=timedelta(milliseconds=200)) is not None
+    with backend.Session() as s, s.begin():
+        q.offer(s, "late", {"fail": False}, at=utcnow() - timedelta(seconds=2))
+        q.offer(s, "bad", {"fail": True})
+    time.sleep(0.3)
+
+    def handler(env: Envelope[Any]) -> None:
+        if env.payload["fail"]:
+            raise KeyError("no such thing")
+
+    hooks = RecordingHooks()
+    worker = Worker(backend.Session, concurrency=1, poll_interval=0.1, listen=False, hooks=hooks)
+    worker.register(q, handler)
+    with running(worker):
+        assert wait_for(lambda: len(hooks.processed_) + len(hooks.failed_) >= 3, 10)
+    assert sorted(p[1] for p in hooks.processed_) == ["abandoned", "late"]
+    assert all(p[0] == "hooks" and p[2] >= 0 for p in hooks.processed_)
+    [(queue, key, attempt, error, outcome)] = hooks.failed_
+    assert (queue, key, attempt, outcome) == ("hooks", "bad", 1, NackOutcome.DEAD)
+    assert isinstance(error, KeyError)
+    assert hooks.redelivered_ == [("hooks", "abandoned")]
+    assert len(hooks.lags) == 3 and all(queue == "hooks" for queue, _ in hooks.lags)
+    assert all(seconds >= 0 for _, seconds in hooks.lags)
+    assert max(seconds for _, seconds in hooks.lags) >= 2.0  # "late" was due 2 s before
+
+
+# -- stopping ---------------------------------------------------------------------------------
+
+
+def test_stop_waits_for_in_flight_handlers(backend):
+    q: DelayedQueue[Any] = DelayedQueue("drain")
+    started, finished = threading.Event(), threading.Event()
+
+    def handler(env: Envelope[Any]) -> None:
+        started.set()
+        time.sleep(0.5)
+        finished.set()
+
+    hooks = RecordingHooks()
+    worker = Worker(backend.Session, concurrency=1, poll_interval=0.1, listen=False, hooks=hooks)
+    worker.register(q, handler)
+    offer(backend, q, "m")
+    worker.start()
+    try:
+        assert started.wait(5)
+    finally:
+        assert worker.stop(drain_timeout=5) is True
+    assert finished.is_set()
+    assert [p[1] for p in hooks.processed_] == ["m"]
+    assert pending(backend, q) == 0
+
+
+def test_stop_releases_what_outlives_the_drain_timeout(backend):
+    q: DelayedQueue[Any] = DelayedQueue("stuck")
+    started, release, returned = threading.Event(), threading.Event(), threading.Event()
+
+    def handler(env: Envelope[Any]) -> None:
+        started.set()
+        release.wait(10)
+        returned.set()
+
+    hooks = RecordingHooks()
+    worker = Worker(backend.Session, concurrency=1, poll_interval=0.1, listen=False, hooks=hooks)
+    worker.register(q, handler, lease=timedelta(minutes=5))
+    offer(backend, q, "m")
+    worker.start()
+    try:
+        assert started.wait(5)
+        assert worker.stop(drain_timeout=0.3) is False
+        with backend.Session() as s:
+            info = q.get(s, "m")
+        assert info is not None and info.lock_token is None  # released: due now
+        assert info.scheduled_at is not None and info.scheduled_at <= utcnow()
+        assert info.attempts == 0
+    finally:
+        release.set()
+        assert returned.wait(5)
+    time.sleep(0.2)  # the late ack, refused
+    assert hooks.processed_ == []
+    assert pending(backend, q) == 1
