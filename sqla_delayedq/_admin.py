@@ -46,6 +46,11 @@ class AdminMixin:
         for name, value in f.payload.items():
             if not isinstance(name, str) or not name:
                 raise InvalidArgument("payload filter field names must be non-empty strings")
+            if '"' in name or "\\" in name:
+                raise InvalidArgument(
+                    f"payload filter field {name!r}: a name with a quote or backslash cannot be "
+                    "addressed portably; use MessageFilter(where=...)"
+                )
             if not isinstance(value, (str, int, float, bool)):
                 raise InvalidArgument(
                     f"payload filter {name!r}: only str, int, float and bool values are "
@@ -157,8 +162,11 @@ class AdminMixin:
 
     def drop_where(self, session: Session, where: MessageFilter) -> int:
         """Delete every message matching ``where``; returns how many."""
-        if where is None:
-            raise InvalidArgument("drop_where needs a filter; use drop_all to empty the queue")
+        if where is None or where == MessageFilter():
+            raise InvalidArgument(
+                "drop_where needs at least one condition; use drop_all(confirm=...) to empty "
+                "the queue"
+            )
         stmt = delete(self.table).where(self._where(where, self.now()))
         return int(session.execute(stmt).rowcount)  # type: ignore[attr-defined]
 

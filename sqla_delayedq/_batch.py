@@ -1,11 +1,17 @@
 """Batch offer and batch ack: a constant number of statements per chunk, never one per message.
 
-A chunk of distinct keys (sorted, so concurrent batches lock rows in the same order) costs:
-one ``SELECT`` of the existing rows (locked where the backend locks), one multi-row
-insert-if-absent that reports which keys it wrote, and one executemany of guarded updates.
-Repeated keys inside the batch are folded in Python first, in input order, exactly as
-successive single offers would have acted; keys that a concurrent transaction inserted
-between the ``SELECT`` and the insert go through the single-offer path, one key at a time.
+Repeated keys inside the batch are folded in Python first, in input order, exactly as successive
+single offers would have acted. Chunks of distinct keys are sorted, so concurrent batches lock
+rows in the same order. Per chunk:
+
+- PostgreSQL and SQLite insert first: one insert-if-absent of every key as if new (on PostgreSQL a
+  single ``INSERT ... SELECT FROM unnest(...)``) that reports the keys it wrote; only the keys
+  it did not write are then read (locked) and updated.
+- MariaDB/MySQL read first, ``FOR UPDATE``: their insert-if-absent leaves shared locks on
+  existing rows, and upgrading those for the update would deadlock racing offers.
+
+The update is one executemany of guarded updates. A key that a concurrent transaction inserted
+between the read and the insert goes through the single-offer path, one key at a time.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from . import _statements as st
 from ._dialects import Strategy, strategy_for
 from ._time import require_aware
 from ._types import Envelope, OfferMode, OfferResult, Outcome
-from .errors import DelayedQueueError, InvalidArgument
+from .errors import ConcurrentUpdate, InvalidArgument
 
 if TYPE_CHECKING:
     from ._queue import DelayedQueue, OfferInput
@@ -220,7 +226,7 @@ def _update_chunk(session: Session, t: Any, updates: list[tuple[Any, dict[str, A
         )
         result: Any = session.execute(stmt, params)
         if result.context.dialect.supports_sane_multi_rowcount and result.rowcount != len(params):
-            raise DelayedQueueError(
+            raise ConcurrentUpdate(
                 f"{len(params) - result.rowcount} rows of a batch changed under their lock; "
                 "roll back and retry the transaction"
             )

@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.sql import Insert
 
 from . import _statements as st
-from .errors import UnsupportedBackend
+from .errors import ConcurrentUpdate, UnsupportedBackend
 
 __all__ = ["Claimed", "Strategy", "is_transient", "strategy_for"]
 
@@ -132,6 +132,8 @@ class Strategy(abc.ABC):
     @classmethod
     def is_transient(cls, exc: BaseException) -> bool:
         """Deadlocks, serialization failures, lost connections: safe to retry the transaction."""
+        if isinstance(exc, ConcurrentUpdate):
+            return True
         return isinstance(exc, sa_exc.DBAPIError) and bool(exc.connection_invalidated)
 
 
@@ -178,7 +180,6 @@ class PostgreSQLStrategy(Strategy):
         claimed.sort(key=lambda c: (c.prev_scheduled_at, c.row.id))
         return claimed
 
-    @classmethod
     def consume(
         self, session: Session, t: Table, queue: str, now: datetime, limit: int
     ) -> list[Any]:
@@ -192,6 +193,9 @@ class PostgreSQLStrategy(Strategy):
             return True
         orig = getattr(exc, "orig", None)
         state = getattr(orig, "sqlstate", None) or ""
+        if not state and type(orig).__module__.startswith("psycopg"):
+            # No SQL state: the connection itself failed (refused while the server restarts).
+            return isinstance(exc, sa_exc.OperationalError)
         return state in cls.TRANSIENT_STATES or state.startswith("08")
 
 
@@ -295,8 +299,14 @@ class SQLiteStrategy(Strategy):
 
 def _taken(row: Any, lease_until: datetime, prefix: str) -> SimpleNamespace:
     """A picked row as the take left it."""
+    lost = 0 if row.lock_token is None else 1  # as the take's SET counted it
     return SimpleNamespace(
-        **{**row._mapping, "scheduled_at": lease_until, "lock_token": f"{prefix}{row.id}"}
+        **{
+            **row._mapping,
+            "scheduled_at": lease_until,
+            "lock_token": f"{prefix}{row.id}",
+            "attempts": row.attempts + lost,
+        }
     )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import secrets
 import traceback
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any, Generic, TypeVar, cast
@@ -19,11 +19,11 @@ from sqlalchemy.orm import Session
 
 from . import _statements as st
 from ._admin import AdminMixin
-from ._dialects import Claimed, Strategy, strategy_for
+from ._dialects import Claimed, Strategy, is_transient, strategy_for
 from ._time import Clock, require_aware, require_duration, system_clock
 from ._types import Delivery, Envelope, NackOutcome, OfferMode, OfferResult, Outcome
 from ._wakeup import announce, channel_for, notify_pending
-from .errors import DecodeError, DelayedQueueError, InvalidArgument
+from .errors import ConcurrentUpdate, DecodeError, InvalidArgument
 from .models import ERROR_MAX, KEY_MAX, QUEUE_MAX, DelayedMessage, QueueMessageMixin
 from .retry import ExponentialBackoff, RetryPolicy
 from .serializers import JsonSerializer, Serializer
@@ -293,7 +293,9 @@ class DelayedQueue(AdminMixin, Generic[T]):
             stmt = st.guarded_update(t, row.id, row.scheduled_at, row.lock_token).values(changes)
             if session.execute(stmt).rowcount == 1:  # type: ignore[attr-defined]
                 return Outcome.UPDATED
-        raise DelayedQueueError(f"offer of key {key!r} lost {CAS_ROUNDS} races in a row; retry")
+        raise ConcurrentUpdate(
+            f"offer of key {key!r} lost {CAS_ROUNDS} races in a row; retry the transaction"
+        )
 
     def offer_batch(
         self,
@@ -354,6 +356,13 @@ class DelayedQueue(AdminMixin, Generic[T]):
 
     def _envelope(self, session: Session, claimed: Claimed, now: datetime) -> Envelope[T] | None:
         row = claimed.row
+        if claimed.prev_token is not None and row.attempts >= self.retry_policy.max_attempts:
+            error = (
+                f"lease ran out without an ack on {row.attempts} attempts (the consumer crashed, "
+                "hung or outlived its lease); dead after max_attempts"
+            )
+            self._bury(session, row.id, row.lock_token, row.attempts, error, now)
+            return None
         try:
             payload = self._decode(row)
         except DecodeError as exc:
@@ -388,35 +397,93 @@ class DelayedQueue(AdminMixin, Generic[T]):
             envelopes = self.try_poll_many(session, n)
             self.ack_many(session, envelopes)
             return [replace(e, lock_token="") for e in envelopes]
+        return [envelope for envelope, _ in self._consume_rows(session, n)]
+
+    def _consume_rows(self, session: Session, n: int) -> list[tuple[Envelope[T], Any]]:
         strategy = strategy_for(session)
+        taken: list[tuple[Envelope[T], Any]] = []
+        while len(taken) < n:
+            now = self.now()
+            rows = strategy.consume(session, self.table, self.name, now, n - len(taken))
+            if not rows:
+                break
+            poisoned = 0
+            for row in rows:
+                envelope = self._consumed(session, row, now)
+                if envelope is None:
+                    poisoned += 1
+                else:
+                    taken.append((envelope, row))
+            if not poisoned:
+                break  # a short take means the queue has nothing more due
+        return taken
+
+    def _put_back_failed(
+        self, session: Session, envelope: Envelope[Any], row: Any, error: BaseException | str
+    ) -> NackOutcome:
+        """Re-create a consumed row with its failed attempt recorded (same transaction)."""
         now = self.now()
-        envelopes: list[Envelope[T]] = []
-        for row in strategy.consume(session, self.table, self.name, now, n):
-            try:
-                payload = self._decode(row)
-            except DecodeError as exc:
-                dead = {c: getattr(row, c) for c in st.ROW_COLUMNS}
-                dead |= {"status": "dead", "scheduled_at": None, "lock_token": None}
-                dead |= {"attempts": row.attempts + 1, "last_error": error_text(exc)}
-                dead["last_attempt_at"] = now
-                session.execute(self.table.insert().values(dead))
-                continue
-            envelopes.append(
-                Envelope(
-                    id=row.id,
-                    queue=row.queue,
-                    key=row.key,
-                    payload=payload,
-                    scheduled_at=row.scheduled_at,
-                    scheduled_at_initially=row.scheduled_at_initially,
-                    created_at=row.created_at,
-                    delivery=Delivery.FIRST if row.lock_token is None else Delivery.REDELIVERY,
-                    attempt=row.attempts + 1,
-                    lock_token="",
-                    lease_until=now,
-                )
-            )
-        return envelopes
+        attempts = envelope.attempt
+        values = {c: getattr(row, c) for c in st.ROW_COLUMNS}
+        values |= {"attempts": attempts, "last_error": error_text(error), "last_attempt_at": now}
+        values["lock_token"] = None
+        dead = attempts >= self.retry_policy.max_attempts
+        if dead:
+            values |= {"status": "dead", "scheduled_at": None}
+        else:
+            values["scheduled_at"] = now + self.retry_policy.delay(attempts)
+        session.execute(self.table.insert().values(values))
+        return NackOutcome.DEAD if dead else NackOutcome.RETRY_SCHEDULED
+
+    def process_one(
+        self, session: Session, handler: Callable[[Envelope[T], Session], Any]
+    ) -> tuple[Envelope[T], BaseException | None, NackOutcome | None] | None:
+        """Transactional mode for one message, inside the caller's transaction.
+
+        Consume the first due message, run ``handler(envelope, session)`` inside a savepoint,
+        and return ``(envelope, None, None)``: the removal commits with the handler's writes.
+        When the handler raises, its writes are rolled back to the savepoint and the failed
+        attempt is recorded in the same transaction, so the message is never due again before
+        its retry time: ``(envelope, error, outcome)``. Transient database errors are re-raised
+        (roll back and retry: nothing is lost, no attempt is counted). None when nothing is due.
+        """
+        taken = self._consume_rows(session, 1)
+        if not taken:
+            return None
+        envelope, row = taken[0]
+        try:
+            with session.begin_nested():
+                handler(envelope, session)
+        except Exception as exc:
+            if is_transient(exc):
+                raise
+            return envelope, exc, self._put_back_failed(session, envelope, row, exc)
+        return envelope, None, None
+
+    def _consumed(self, session: Session, row: Any, now: datetime) -> Envelope[T] | None:
+        """The envelope of a consumed row; an undecodable row is put back as dead instead."""
+        try:
+            payload = self._decode(row)
+        except DecodeError as exc:
+            dead = {c: getattr(row, c) for c in st.ROW_COLUMNS}
+            dead |= {"status": "dead", "scheduled_at": None, "lock_token": None}
+            dead |= {"attempts": row.attempts + 1, "last_error": error_text(exc)}
+            dead["last_attempt_at"] = now
+            session.execute(self.table.insert().values(dead))
+            return None
+        return Envelope(
+            id=row.id,
+            queue=row.queue,
+            key=row.key,
+            payload=payload,
+            scheduled_at=row.scheduled_at,
+            scheduled_at_initially=row.scheduled_at_initially,
+            created_at=row.created_at,
+            delivery=Delivery.FIRST if row.lock_token is None else Delivery.REDELIVERY,
+            attempt=row.attempts + 1,
+            lock_token="",
+            lease_until=now,
+        )
 
     def record_failure(
         self,
@@ -511,6 +578,7 @@ class DelayedQueue(AdminMixin, Generic[T]):
         its last error until requeued or dropped.
         """
         now = self.now()
+        when = None if at is None else require_aware(at, "at")
         attempts = envelope.attempt
         text = error_text(error)
         if attempts >= self.retry_policy.max_attempts:

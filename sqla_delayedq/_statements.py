@@ -7,12 +7,14 @@ serves repeated calls.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, Literal
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     DateTime,
     LargeBinary,
     String,
@@ -114,6 +116,20 @@ def _compile_array_of(element: ArrayOf, compiler: Any, **kw: Any) -> str:
     return f"ARRAY({compiler.process(element.subquery, **kw)})"
 
 
+def take_values(t: Table, lease_until: datetime, prefix: str) -> list[tuple[Any, Any]]:
+    """SET clauses of a take, in order: MySQL evaluates them left to right on updated values.
+
+    A take that follows an expired lease (the lock token is still set) counts the lost attempt,
+    so a message that keeps killing or hanging its consumers ends up dead.
+    """
+    lost = case((t.c.lock_token.is_(None), 0), else_=1)
+    return [
+        (t.c.attempts, t.c.attempts + lost),
+        (t.c.scheduled_at, lease_until),
+        (t.c.lock_token, token_expr(t, prefix)),
+    ]
+
+
 def token_expr(t: Table, prefix: str) -> ColumnElement[str]:
     """A per-row lock token: a random per-take prefix joined to the row id."""
     return literal(prefix, String) + cast(t.c.id, String)
@@ -142,7 +158,7 @@ def claim_returning(
     return (
         update(t)
         .where(t.c.id == picked.c.id, t.c.id == any_(ArrayOf(select(picked.c.id))))
-        .values(scheduled_at=lease_until, lock_token=token_expr(t, prefix))
+        .ordered_values(*take_values(t, lease_until, prefix))
         .returning(*columns(t), picked.c.prev_token, picked.c.prev_scheduled_at)
     )
 
@@ -219,7 +235,7 @@ def take_ids(
     return (
         update(t)
         .where(t.c.id.in_(ids), t.c.scheduled_at <= now)
-        .values(scheduled_at=lease_until, lock_token=token_expr(t, prefix))
+        .ordered_values(*take_values(t, lease_until, prefix))
     )
 
 
@@ -278,16 +294,74 @@ def state_clause(t: Table, state: str, now: datetime) -> ColumnElement[bool]:
     return t.c.status == state
 
 
+class JsonFieldEquals(ColumnElement[bool]):
+    """``payload.<name> == value`` comparing JSON values, types included, on every backend.
+
+    A cast (``->>`` then ``::int``) would fail on rows whose field holds text and would match
+    ``"5"`` to ``5``; this compares JSON to JSON instead: containment (``@>``) on PostgreSQL,
+    ``JSON_CONTAINS`` on MariaDB/MySQL, ``json_type`` plus ``json_extract`` on SQLite. Numbers
+    compare by value (``5`` matches ``5.0``); strings, numbers and booleans never match each other.
+    """
+
+    inherit_cache = True
+    type = Boolean()
+
+    def __init__(self, column: Any, name: str, value: str | int | float | bool) -> None:
+        self.column = column
+        self.name = name
+        self.value = value
+        self.document = bindparam(None, json.dumps({name: value}), type_=String())
+        self.scalar = bindparam(None, json.dumps(value), type_=String())
+        self.path = bindparam(None, "$." + json.dumps(name), type_=String())
+        self.raw = bindparam(None, value)
+
+    _traverse_internals = [
+        ("column", InternalTraversal.dp_clauseelement),
+        ("document", InternalTraversal.dp_clauseelement),
+        ("scalar", InternalTraversal.dp_clauseelement),
+        ("path", InternalTraversal.dp_clauseelement),
+        ("raw", InternalTraversal.dp_clauseelement),
+    ]
+
+    def json_types(self) -> tuple[str, ...]:
+        if isinstance(self.value, bool):
+            return ("true",) if self.value else ("false",)
+        if isinstance(self.value, (int, float)):
+            return ("integer", "real")
+        return ("text",)
+
+
+@compiles(JsonFieldEquals, "postgresql")
+def _json_eq_pg(element: JsonFieldEquals, compiler: Any, **kw: Any) -> str:
+    column = compiler.process(element.column, **kw)
+    return f"({column} @> CAST({compiler.process(element.document, **kw)} AS JSONB))"
+
+
+@compiles(JsonFieldEquals, "mysql")
+@compiles(JsonFieldEquals, "mariadb")
+def _json_eq_mysql(element: JsonFieldEquals, compiler: Any, **kw: Any) -> str:
+    column = compiler.process(element.column, **kw)
+    scalar = compiler.process(element.scalar, **kw)
+    path = compiler.process(element.path, **kw)
+    return f"(JSON_CONTAINS({column}, {scalar}, {path}) = 1)"
+
+
+@compiles(JsonFieldEquals, "sqlite")
+def _json_eq_sqlite(element: JsonFieldEquals, compiler: Any, **kw: Any) -> str:
+    column = compiler.process(element.column, **kw)
+    path = compiler.process(element.path, **kw)
+    types = ", ".join(f"'{t}'" for t in element.json_types())
+    same_type = f"json_type({column}, {path}) IN ({types})"
+    if isinstance(element.value, bool):
+        return f"({same_type})"
+    return (
+        f"({same_type} AND json_extract({column}, {path}) = {compiler.process(element.raw, **kw)})"
+    )
+
+
 def payload_field(t: Table, name: str, value: Any) -> ColumnElement[bool]:
-    """Equality on a top-level JSON payload field, typed by the Python value."""
-    element = t.c.payload[name]
-    if isinstance(value, bool):
-        return element.as_boolean() == value
-    if isinstance(value, int):
-        return element.as_integer() == value
-    if isinstance(value, float):
-        return element.as_float() == value
-    return element.as_string() == str(value)
+    """Equality on a top-level JSON payload field, comparing JSON types (see JsonFieldEquals)."""
+    return JsonFieldEquals(t.c.payload, name, value)
 
 
 def filter_clause(

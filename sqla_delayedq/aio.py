@@ -132,10 +132,6 @@ class AsyncQueue(Generic[T]):
         return await session.run_sync(lambda s: self.queue.search(s, where, limit=limit))
 
 
-class _RollBack(Exception):
-    """Raised inside a transactional handler's transaction to roll it back."""
-
-
 @dataclass(frozen=True)
 class _Registration:
     queue: AsyncQueue[Any]
@@ -343,36 +339,30 @@ class AsyncWorker:
         return bool(envs)
 
     async def _transactional_once(self, reg: _Registration) -> bool:
-        failure: BaseException | None = None
-        env: Envelope[Any] | None = None
+        """The async form of :meth:`DelayedQueue.process_one`: one transaction per message."""
         q = reg.queue.queue
-        session = self.sessions()
-        try:
-            async with session.begin():
-                envs = await session.run_sync(lambda s: q.consume(s, 1))
-                if not envs:
-                    return False
-                env = envs[0]
-                self._observe(reg, env)
-                started = time.monotonic()
-                try:
+        failure: tuple[BaseException, NackOutcome] | None = None
+        async with self.sessions() as session, session.begin():
+            if self._stopping.is_set():
+                return False
+            taken = await session.run_sync(lambda s: q._consume_rows(s, 1))
+            if not taken:
+                return False
+            env, row = taken[0]
+            self._observe(reg, env)
+            started = time.monotonic()
+            try:
+                async with session.begin_nested():
                     await reg.handler(env, session)
-                except Exception as exc:
-                    failure = exc
-                    raise _RollBack from exc
-        except _RollBack:
-            pass
-        finally:
-            await session.close()
+            except Exception as exc:
+                if is_transient(exc):
+                    raise
+                outcome = await session.run_sync(lambda s: q._put_back_failed(s, env, row, exc))
+                failure = (exc, outcome)
         if failure is None:
             self.hooks.processed(reg.queue.name, env, time.monotonic() - started)
-            return True
-
-        async def record(s: AsyncSession) -> NackOutcome:
-            return await s.run_sync(lambda ss: q.record_failure(ss, env, failure))
-
-        outcome = await self._settle(reg, env, record)
-        self.hooks.failed(reg.queue.name, env, failure, outcome or NackOutcome.STALE)
+        else:
+            self.hooks.failed(reg.queue.name, env, *failure)
         return True
 
     async def _heartbeat(self) -> None:

@@ -7,7 +7,9 @@ Every error the library raises on purpose derives from :class:`DelayedQueueError
     ├── UnsupportedBackend                    dialect or server version we cannot serve safely
     ├── DecodeError                           a stored payload the serializer cannot read
     ├── EncodeError (also InvalidArgument)    a payload the serializer cannot write
-    └── ConfirmationRequired                  a destructive call made without its confirmation
+    ├── ConfirmationRequired                  a destructive call made without its confirmation
+    └── ConcurrentUpdate                      rows kept changing under the operation: retry
+                                              the transaction (``is_transient`` says so)
 
 Driver errors (deadlocks, lost connections) are not wrapped: they surface as SQLAlchemy's
 ``DBAPIError`` family so the caller's retry logic sees the usual types; see
@@ -17,6 +19,7 @@ Driver errors (deadlocks, lost connections) are not wrapped: they surface as SQL
 from __future__ import annotations
 
 __all__ = [
+    "ConcurrentUpdate",
     "ConfirmationRequired",
     "DecodeError",
     "DelayedQueueError",
@@ -48,3 +51,7 @@ class EncodeError(InvalidArgument):
 
 class ConfirmationRequired(DelayedQueueError):
     """A destructive operation was called without its explicit confirmation."""
+
+
+class ConcurrentUpdate(DelayedQueueError):
+    """Concurrent transactions kept changing the rows; roll back and retry the transaction."""

@@ -7,9 +7,9 @@ Two consumption modes (DESIGN §4):
   handlers are extended by a heartbeat until ``handler_timeout``.
 - ``"transactional"`` (effectively exactly-once for database side effects): take, run the
   handler with the Session and remove the message in one transaction (seed 002's delete-on-take);
-  the handler's writes commit with the removal. A failing handler's transaction is rolled back and
-  the failed attempt is recorded in a new one; a crash rolls everything back and the message is
-  due again at once.
+  the handler's writes commit with the removal. A failing handler's writes are rolled back to a
+  savepoint and the failed attempt is recorded in the same transaction, so the message waits for
+  its retry time; a crash rolls everything back and the message is due again at once.
 
 Idle threads sleep until the poll interval, the next due time, or a wake-up: ``NOTIFY`` on
 PostgreSQL (sent by offers on commit) and in-process wake-ups on every backend. Transient
@@ -75,10 +75,6 @@ class _Registration:
     handler_timeout: timedelta | None
     #: Messages per take for batch handlers (``handler(envelopes)``); None for one at a time.
     batch: int | None = None
-
-
-class _RollBack(Exception):
-    """Raised inside a transactional handler's transaction to roll it back."""
 
 
 class _Wakeup:
@@ -439,40 +435,28 @@ class Worker:
                 delay = min(delay * 2, 2.0)
 
     def _transactional_once(self, reg: _Registration) -> bool:
-        """Consume, handle and commit in one transaction; on failure roll back, then record it.
-
-        The take is the seed-002 delete inside the transaction, so success costs one statement
-        plus the handler's own; a failing handler's writes vanish with the rollback, and its
-        failure is recorded in a transaction of its own.
-        """
-        failure: BaseException | None = None
-        env: Envelope[Any] | None = None
-        session = self.sessions()
-        try:
-            with session.begin():
-                envs = reg.queue.consume(session, 1)
-                if not envs:
-                    return False
-                env = envs[0]
-                self._observe(reg, env)
-                started = time.monotonic()
-                try:
-                    reg.handler(env, session)
-                except Exception as exc:
-                    failure = exc
-                    raise _RollBack from exc
-        except _RollBack:
-            pass
-        finally:
-            session.close()
-        if failure is None:
-            self.hooks.processed(reg.queue.name, env, time.monotonic() - started)
-            return True
-        outcome = self._settle(
-            reg, env, lambda s, e=env, err=failure: reg.queue.record_failure(s, e, err), "record"
-        )
-        self.hooks.failed(reg.queue.name, env, failure, outcome or NackOutcome.STALE)
+        """Consume, handle and commit in one transaction (:meth:`DelayedQueue.process_one`)."""
+        with self.sessions() as s, s.begin():
+            if self._stopping.is_set():
+                return False
+            started = time.monotonic()
+            result = reg.queue.process_one(s, self._observed(reg))
+            if result is None:
+                return False
+        envelope, error, outcome = result
+        # Hooks run after the commit, so they report what the database now holds.
+        if error is None:
+            self.hooks.processed(reg.queue.name, envelope, time.monotonic() - started)
+        else:
+            self.hooks.failed(reg.queue.name, envelope, error, outcome or NackOutcome.STALE)
         return True
+
+    def _observed(self, reg: _Registration) -> Callable[[Envelope[Any], Session], Any]:
+        def handle(envelope: Envelope[Any], session: Session) -> Any:
+            self._observe(reg, envelope)
+            return reg.handler(envelope, session)
+
+        return handle
 
     # -- heartbeat -----------------------------------------------------------------------
 

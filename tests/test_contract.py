@@ -349,7 +349,9 @@ def test_consume_removes_on_commit_and_restores_on_rollback(backend, make_queue,
     q = make_queue(retry=ExponentialBackoff(max_attempts=2, initial=timedelta(seconds=5), jitter=0))
     now = clock()
     with backend.Session() as s, s.begin():
-        q.offer_batch(s, [("a", 1, now - timedelta(seconds=2)), ("b", 2, now - timedelta(seconds=1))])
+        q.offer_batch(
+            s, [("a", 1, now - timedelta(seconds=2)), ("b", 2, now - timedelta(seconds=1))]
+        )
     with pytest.raises(RuntimeError), backend.Session() as s, s.begin():
         envs = q.consume(s, 5)
         assert [e.key for e in envs] == ["a", "b"] and envs[0].attempt == 1
@@ -396,3 +398,82 @@ def test_consume_on_postgresql_is_one_statement(pg, make_queue):
     with record_sql(pg.engine) as statements, pg.Session() as s, s.begin():
         assert len(q.consume(s, 4)) == 4
     assert len([x for x in statements if "delayed_queue" in x]) == 1
+
+
+def test_payload_filters_compare_json_types_not_casts(backend, make_queue):
+    q = make_queue()
+    with backend.Session() as s, s.begin():
+        q.offer_batch(
+            s,
+            [
+                ("int", {"x": 5}),
+                ("float", {"x": 5.0}),
+                ("half", {"x": 1.5}),
+                ("text", {"x": "5"}),
+                ("word", {"x": "abc"}),
+                ("true", {"x": True}),
+                ("one", {"x": 1}),
+                ("zero", {"x": 0}),
+                ("missing", {"y": 5}),
+                ("odd name", {"a.b c-d": 7}),
+            ],
+        )
+
+        def keys(**payload):
+            return sorted(m.key for m in q.search(s, MessageFilter(payload=payload)))
+
+        assert keys(x=5) == ["float", "int"]
+        assert keys(x="5") == ["text"]
+        assert keys(x=True) == ["true"]
+        assert keys(x=1) == ["one"]
+        assert keys(x=0) == ["zero"]
+        assert keys(x=1.5) == ["half"]
+        assert keys(x="abc") == ["word"]
+        assert keys(**{"a.b c-d": 7}) == ["odd name"]
+        with pytest.raises(InvalidArgument, match="quote"):
+            keys(**{'say "hi"': 1})
+        assert q.drop_where(s, MessageFilter(payload={"x": "abc"})) == 1
+
+
+def test_guards_on_admin_and_settle_input(backend, make_queue, clock):
+    q = make_queue()
+    with backend.Session() as s, s.begin():
+        q.offer(s, "k", 1)
+        with pytest.raises(InvalidArgument, match="at least one condition"):
+            q.drop_where(s, MessageFilter())
+        env = q.try_poll(s)
+        with pytest.raises(InvalidArgument, match="naive"):
+            from datetime import datetime
+
+            q.nack(s, env, "x", at=datetime(2030, 1, 1))
+        assert q.contains(s, "k")
+
+
+def test_expired_leases_count_as_attempts_until_dead(backend, make_queue, clock):
+    q = make_queue(lease=timedelta(seconds=10), retry=ExponentialBackoff(max_attempts=3))
+    with backend.Session() as s, s.begin():
+        q.offer(s, "crasher", {"n": 1})
+    attempts = []
+    for _ in range(5):
+        with backend.Session() as s, s.begin():
+            env = q.try_poll(s)  # taken, then the consumer "crashes": no ack, no nack
+            if env is None:
+                break
+            attempts.append(env.attempt)
+        clock.advance(11)
+    assert attempts == [1, 2, 3]
+    with backend.Session() as s:
+        info = q.get(s, "crasher")
+        assert info.status == "dead" and "lease ran out" in info.last_error
+        assert info.attempts == 3
+
+
+def test_consume_refills_past_poison(backend, make_queue, clock):
+    q = make_queue()
+    now = clock()
+    with backend.Session() as s, s.begin():
+        q.offer(s, "poison", {"x": 1}, now - timedelta(seconds=10))
+        q.offer(s, "good", {"x": 2}, now - timedelta(seconds=5))
+        s.execute(T.update().where(T.c.key == "poison").values(payload_type="other"))
+    with backend.Session() as s, s.begin():
+        assert [e.key for e in q.consume(s, 1)] == ["good"]

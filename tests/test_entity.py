@@ -64,6 +64,7 @@ NO_JITTER = ExponentialBackoff(max_attempts=3, initial=timedelta(seconds=10), ji
 @pytest.fixture
 def db(backend: Backend) -> Iterator[Backend]:
     """Each backend, with an empty ``eq_orders`` table."""
+    backend.engine.dispose()  # no pooled connection may hold a stale view of the schema
     Base.metadata.drop_all(backend.engine)
     Base.metadata.create_all(backend.engine)
     yield backend

@@ -388,7 +388,10 @@ def test_a_handler_past_its_timeout_loses_its_lease_and_is_redelivered(backend):
 
 
 def test_hooks_report_processed_failed_redelivered_and_lag(backend):
-    q: DelayedQueue[Any] = DelayedQueue("hooks", retry=ExponentialBackoff(max_attempts=1))
+    # max_attempts=2: the abandoned take (its lease ran out) counts as the first attempt.
+    q: DelayedQueue[Any] = DelayedQueue(
+        "hooks", retry=ExponentialBackoff(max_attempts=2, initial=timedelta(hours=1))
+    )
     offer(backend, q, "abandoned", {"fail": False})
     with backend.Session() as s, s.begin():  # a consumer takes it and never comes back
         assert q.try_poll(s, lease=timedelta(milliseconds=200)) is not None
@@ -409,7 +412,7 @@ def test_hooks_report_processed_failed_redelivered_and_lag(backend):
     assert sorted(p[1] for p in hooks.processed_) == ["abandoned", "late"]
     assert all(p[0] == "hooks" and p[2] >= 0 for p in hooks.processed_)
     [(queue, key, attempt, error, outcome)] = hooks.failed_
-    assert (queue, key, attempt, outcome) == ("hooks", "bad", 1, NackOutcome.DEAD)
+    assert (queue, key, attempt, outcome) == ("hooks", "bad", 1, NackOutcome.RETRY_SCHEDULED)
     assert isinstance(error, KeyError)
     assert hooks.redelivered_ == [("hooks", "abandoned")]
     assert len(hooks.lags) == 3 and all(queue == "hooks" for queue, _ in hooks.lags)
