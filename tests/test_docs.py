@@ -40,6 +40,9 @@ PAGES = [
     "docs/queue.md",
     "docs/retries.md",
     "docs/admin.md",
+    "docs/workers.md",
+    "docs/cron.md",
+    "docs/entity-queues.md",
 ]
 
 FENCE = re.compile(r"^```(\S*)[ \t]*(.*?)[ \t]*$")
