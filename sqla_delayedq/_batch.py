@@ -235,9 +235,9 @@ def _update_chunk(session: Session, t: Any, updates: list[tuple[Any, dict[str, A
 def ack_many(q: DelayedQueue[Any], session: Session, envelopes: Sequence[Envelope[Any]]) -> int:
     """One statement for the whole batch: tokens embed the row id, so they identify the take."""
     t = q.table
-    ids = [e.id for e in envelopes]
-    tokens = [e.lock_token for e in envelopes]
-    cond = (t.c.id.in_(ids), t.c.lock_token.in_(tokens))
+    cond = strategy_for(session).ack_by_tokens(
+        t, [e.id for e in envelopes], [e.lock_token for e in envelopes]
+    )
     if q.retention is None:
         stmt: Any = delete(t).where(*cond)
     else:

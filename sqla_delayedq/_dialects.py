@@ -10,19 +10,23 @@ from __future__ import annotations
 
 import abc
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from types import SimpleNamespace
 from typing import Any, ClassVar
 
-from sqlalchemy import Table, delete
+from sqlalchemy import BigInteger, String, Table, any_, delete, literal
+from sqlalchemy import cast as sa_cast
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import mysql, postgresql, sqlite
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import Insert
 
 from . import _statements as st
+from ._statements import P
 from .errors import ConcurrentUpdate, UnsupportedBackend
 
 __all__ = ["Claimed", "Strategy", "is_transient", "strategy_for"]
@@ -70,6 +74,7 @@ class Strategy(abc.ABC):
 
     def __init__(self, dialect: Dialect) -> None:
         self.dialect = dialect
+        self._statements: dict[tuple[Table, str], Any] = {}
         version = self.server_version(dialect)
         if version < self.min_version:
             raise UnsupportedBackend(
@@ -79,6 +84,23 @@ class Strategy(abc.ABC):
             )
 
     why_min_version: ClassVar[str] = ""
+
+    def cached(self, t: Table, name: str, build: Callable[[], Any]) -> Any:
+        """A statement built once per table (with named bind parameters, see ``P``)."""
+        stmt = self._statements.get((t, name))
+        if stmt is None:
+            stmt = self._statements[(t, name)] = build()
+        return stmt
+
+    def _due(self, session: Session, t: Table, queue: str, now: datetime, limit: int) -> Any:
+        stmt = self.cached(
+            t, "due", lambda: st.select_due(t, P.queue, P.now, P.limit, self.poll_lock)
+        )
+        return session.execute(stmt, P.take(queue, now, now, limit, "")).all()
+
+    def ack_by_tokens(self, t: Table, ids: list[int], tokens: list[str]) -> Any:
+        """The WHERE clause of a batch ack: ids and tokens (tokens embed their row's id)."""
+        return (t.c.id.in_(ids), t.c.lock_token.in_(tokens))
 
     @staticmethod
     def server_version(dialect: Dialect) -> tuple[int, ...]:
@@ -104,7 +126,7 @@ class Strategy(abc.ABC):
         prefix: str,
     ) -> list[Claimed]:
         """Pick up to ``limit`` due rows (skipping locked ones) and take them."""
-        picked = session.execute(st.select_due(t, queue, now, limit, self.poll_lock)).all()
+        picked = self._due(session, t, queue, now, limit)
         if not picked:
             return []
         ids = [r.id for r in picked]
@@ -124,7 +146,7 @@ class Strategy(abc.ABC):
         self, session: Session, t: Table, queue: str, now: datetime, limit: int
     ) -> list[Any]:
         """Take up to ``limit`` due rows by deleting them in the caller's transaction."""
-        picked = session.execute(st.select_due(t, queue, now, limit, self.poll_lock)).all()
+        picked = self._due(session, t, queue, now, limit)
         if picked:
             session.execute(delete(t).where(t.c.id.in_([r.id for r in picked])))
         return list(picked)
@@ -175,15 +197,28 @@ class PostgreSQLStrategy(Strategy):
         limit: int,
         prefix: str,
     ) -> list[Claimed]:
-        rows = session.execute(st.claim_returning(t, queue, now, lease_until, limit, prefix)).all()
+        stmt = self.cached(
+            t, "claim", lambda: st.claim_returning(t, P.queue, P.now, P.until, P.limit, P.prefix)
+        )
+        rows = session.execute(stmt, P.take(queue, now, lease_until, limit, prefix)).all()
         claimed = [Claimed(r, r.prev_token, r.prev_scheduled_at) for r in rows]
         claimed.sort(key=lambda c: (c.prev_scheduled_at, c.row.id))
         return claimed
 
+    def ack_by_tokens(self, t: Table, ids: list[int], tokens: list[str]) -> Any:
+        # Two array parameters instead of one per id and token: one SQL text for every size.
+        return (
+            t.c.id == any_(sa_cast(literal(ids, ARRAY(BigInteger())), ARRAY(BigInteger()))),
+            t.c.lock_token == any_(sa_cast(literal(tokens, ARRAY(String())), ARRAY(String()))),
+        )
+
     def consume(
         self, session: Session, t: Table, queue: str, now: datetime, limit: int
     ) -> list[Any]:
-        rows = session.execute(st.consume_returning(t, queue, now, limit, True)).all()
+        stmt = self.cached(
+            t, "consume", lambda: st.consume_returning(t, P.queue, P.now, P.limit, True)
+        )
+        rows = session.execute(stmt, P.take(queue, now, now, limit, "")).all()
         rows.sort(key=lambda r: (r.scheduled_at, r.id))
         return rows
 
@@ -265,7 +300,7 @@ class SQLiteStrategy(Strategy):
         limit: int,
         prefix: str,
     ) -> list[Claimed]:
-        picked = session.execute(st.select_due(t, queue, now, limit, None)).all()
+        picked = self._due(session, t, queue, now, limit)
         if not picked:
             return []
         taken = set(
@@ -286,7 +321,10 @@ class SQLiteStrategy(Strategy):
     def consume(
         self, session: Session, t: Table, queue: str, now: datetime, limit: int
     ) -> list[Any]:
-        rows = session.execute(st.consume_returning(t, queue, now, limit, False)).all()
+        stmt = self.cached(
+            t, "consume", lambda: st.consume_returning(t, P.queue, P.now, P.limit, False)
+        )
+        rows = session.execute(stmt, P.take(queue, now, now, limit, "")).all()
         rows.sort(key=lambda r: (r.scheduled_at, r.id))
         return rows
 

@@ -424,9 +424,9 @@ class DelayedQueue(AdminMixin, Generic[T]):
         """Re-create a consumed row with its failed attempt recorded (same transaction)."""
         now = self.now()
         attempts = envelope.attempt
-        values = {c: getattr(row, c) for c in st.ROW_COLUMNS}
+        values = {c: getattr(row, c) for c in st.TAKE_COLUMNS}
         values |= {"attempts": attempts, "last_error": error_text(error), "last_attempt_at": now}
-        values["lock_token"] = None
+        values |= {"lock_token": None, "status": "pending"}
         dead = attempts >= self.retry_policy.max_attempts
         if dead:
             values |= {"status": "dead", "scheduled_at": None}
@@ -465,7 +465,7 @@ class DelayedQueue(AdminMixin, Generic[T]):
         try:
             payload = self._decode(row)
         except DecodeError as exc:
-            dead = {c: getattr(row, c) for c in st.ROW_COLUMNS}
+            dead = {c: getattr(row, c) for c in st.TAKE_COLUMNS}
             dead |= {"status": "dead", "scheduled_at": None, "lock_token": None}
             dead |= {"attempts": row.attempts + 1, "last_error": error_text(exc)}
             dead["last_attempt_at"] = now

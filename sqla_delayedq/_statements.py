@@ -16,6 +16,7 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     DateTime,
+    Integer,
     LargeBinary,
     String,
     Table,
@@ -34,6 +35,8 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql import ColumnElement, Delete, Select, Update
 from sqlalchemy.sql.visitors import InternalTraversal
+
+from ._time import DateTimeUTC
 
 Lock = Literal["update", "share", "update_skip_locked"] | None
 
@@ -56,8 +59,35 @@ ROW_COLUMNS = (
 )
 
 
-def columns(t: Table) -> list[Any]:
-    return [t.c[name] for name in ROW_COLUMNS]
+#: What a take needs of a row: everything but the status and the last failure's details (an
+#: error text can be kilobytes; a take never reads it).
+TAKE_COLUMNS = tuple(c for c in ROW_COLUMNS if c not in ("status", "last_attempt_at", "last_error"))
+
+
+def columns(t: Table, names: tuple[str, ...] = ROW_COLUMNS) -> list[Any]:
+    return [t.c[name] for name in names]
+
+
+class P:
+    """Named bind parameters of the statements that strategies build once and cache."""
+
+    queue = bindparam("c_queue", type_=String())
+    now = bindparam("c_now", type_=DateTimeUTC())
+    until = bindparam("c_until", type_=DateTimeUTC())
+    limit = bindparam("c_limit", type_=Integer())
+    prefix = bindparam("c_prefix", type_=String())
+    ids = bindparam("c_ids", type_=postgresql.ARRAY(BigInteger()))
+    tokens = bindparam("c_tokens", type_=postgresql.ARRAY(String()))
+
+    @staticmethod
+    def take(queue: str, now: datetime, until: datetime, limit: int, prefix: str) -> dict[str, Any]:
+        return {
+            "c_queue": queue,
+            "c_now": now,
+            "c_until": until,
+            "c_limit": limit,
+            "c_prefix": prefix,
+        }
 
 
 def with_lock(stmt: Select[Any], lock: Lock) -> Select[Any]:
@@ -80,14 +110,14 @@ def select_by_keys(t: Table, queue: str, keys: Sequence[str], lock: Lock = None)
     return with_lock(stmt, lock)
 
 
-def due_filter(t: Table, queue: str, now: datetime) -> ColumnElement[bool]:
+def due_filter(t: Table, queue: Any, now: Any) -> ColumnElement[bool]:
     return and_(t.c.queue == queue, t.c.scheduled_at <= now)
 
 
-def select_due(t: Table, queue: str, now: datetime, limit: int, lock: Lock) -> Select[Any]:
+def select_due(t: Table, queue: Any, now: Any, limit: Any, lock: Lock) -> Select[Any]:
     """Due messages of one queue in schedule order: a range scan of the ``due`` index."""
     stmt = (
-        select(*columns(t))
+        select(*columns(t, TAKE_COLUMNS))
         .where(due_filter(t, queue, now))
         .order_by(t.c.scheduled_at, t.c.id)
         .limit(limit)
@@ -116,7 +146,7 @@ def _compile_array_of(element: ArrayOf, compiler: Any, **kw: Any) -> str:
     return f"ARRAY({compiler.process(element.subquery, **kw)})"
 
 
-def take_values(t: Table, lease_until: datetime, prefix: str) -> list[tuple[Any, Any]]:
+def take_values(t: Table, lease_until: Any, prefix: Any) -> list[tuple[Any, Any]]:
     """SET clauses of a take, in order: MySQL evaluates them left to right on updated values.
 
     A take that follows an expired lease (the lock token is still set) counts the lost attempt,
@@ -130,13 +160,15 @@ def take_values(t: Table, lease_until: datetime, prefix: str) -> list[tuple[Any,
     ]
 
 
-def token_expr(t: Table, prefix: str) -> ColumnElement[str]:
+def token_expr(t: Table, prefix: Any) -> ColumnElement[str]:
     """A per-row lock token: a random per-take prefix joined to the row id."""
-    return literal(prefix, String) + cast(t.c.id, String)
+    if isinstance(prefix, str):
+        prefix = literal(prefix, String)
+    return prefix + cast(t.c.id, String)  # type: ignore[no-any-return]
 
 
 def claim_returning(
-    t: Table, queue: str, now: datetime, lease_until: datetime, limit: int, prefix: str
+    t: Table, queue: Any, now: Any, lease_until: Any, limit: Any, prefix: Any
 ) -> Update:
     """PostgreSQL: pick with ``SKIP LOCKED`` and take in one statement.
 
@@ -159,11 +191,11 @@ def claim_returning(
         update(t)
         .where(t.c.id == picked.c.id, t.c.id == any_(ArrayOf(select(picked.c.id))))
         .ordered_values(*take_values(t, lease_until, prefix))
-        .returning(*columns(t), picked.c.prev_token, picked.c.prev_scheduled_at)
+        .returning(*columns(t, TAKE_COLUMNS), picked.c.prev_token, picked.c.prev_scheduled_at)
     )
 
 
-def consume_returning(t: Table, queue: str, now: datetime, limit: int, skip_locked: bool) -> Delete:
+def consume_returning(t: Table, queue: Any, now: Any, limit: Any, skip_locked: bool) -> Delete:
     """Take due rows by deleting them inside the caller's transaction (seed 002).
 
     The rows come back as they were; a rollback restores them, due at once.
@@ -175,7 +207,7 @@ def consume_returning(t: Table, queue: str, now: datetime, limit: int, skip_lock
         cond = t.c.id == any_(ArrayOf(picked))
     else:
         cond = t.c.id.in_(picked.scalar_subquery())
-    return delete(t).where(cond).returning(*columns(t))
+    return delete(t).where(cond).returning(*columns(t, TAKE_COLUMNS))
 
 
 def unnest_insert(t: Table) -> Any:
@@ -228,9 +260,7 @@ def unnest_insert(t: Table) -> Any:
     )
 
 
-def take_ids(
-    t: Table, ids: Sequence[int], now: datetime, lease_until: datetime, prefix: str
-) -> Update:
+def take_ids(t: Table, ids: Sequence[int], now: Any, lease_until: Any, prefix: Any) -> Update:
     """Take already-picked rows; the ``scheduled_at <= now`` guard makes it a compare-and-swap."""
     return (
         update(t)

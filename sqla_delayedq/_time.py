@@ -73,8 +73,11 @@ class DateTimeUTC(TypeDecorator[datetime]):
     def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
         if value is None:
             return None
-        if isinstance(value, str):  # SQLite returns text when read through a raw expression
-            value = datetime.fromisoformat(value)
-        if value.tzinfo is None:
-            return value.replace(tzinfo=UTC)
-        return value.astimezone(UTC)
+        tz = value.tzinfo if isinstance(value, datetime) else False
+        if tz is UTC:
+            return value  # type: ignore[no-any-return]
+        if tz is None:
+            return value.replace(tzinfo=UTC)  # type: ignore[no-any-return]
+        if tz is False:  # SQLite returns text when read through a raw expression
+            return datetime.fromisoformat(value).replace(tzinfo=UTC)
+        return value.astimezone(UTC)  # type: ignore[no-any-return]

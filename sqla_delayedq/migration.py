@@ -40,13 +40,12 @@ from __future__ import annotations
 
 from typing import Any, Literal, cast
 
+from alembic import op
 from alembic.autogenerate.api import AutogenContext
 from alembic.operations import ops
 from sqlalchemy import MetaData, Table
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import DeclarativeBase
-
-from alembic import op
 
 from ._time import DateTimeUTC
 from .models import NAMING_CONVENTION, QueueMessageMixin
