@@ -172,6 +172,7 @@ class Worker:
         self._wakeup = _Wakeup()
         self._stopping = threading.Event()
         self._in_flight = _InFlight()
+        self._idle = threading.local()
         self._threads: list[threading.Thread] = []
         self._cleanup: list[Callable[[], None]] = []
         self._started = False
@@ -320,28 +321,27 @@ class Worker:
         """One pass over the queues; returns (did work, seconds until the next due message)."""
         next_due: float | None = None
         for reg in self._registrations:
+            self._idle.next_due = None
             if self._stopping.is_set():
                 return True, None
             once = self._lease_once if reg.mode == "lease" else self._transactional_once
             if once(reg):
                 return True, None
-            due_in = self._seconds_until_next_due(reg)
+            due_in = getattr(self._idle, "next_due", None)
             if due_in is not None:
                 next_due = due_in if next_due is None else min(next_due, due_in)
         return False, next_due
 
-    def _seconds_until_next_due(self, reg: _Registration) -> float | None:
+    def _note_idle(self, session: Session, reg: _Registration) -> None:
+        """After an empty take, in the same transaction: how long until the next due message."""
         t = reg.queue.table
         now = reg.queue.now()
         # Strictly later than now: due rows that a poll skipped are locked by another consumer.
         stmt = select(func.min(t.c.scheduled_at)).where(
             t.c.queue == reg.queue.name, t.c.scheduled_at > now
         )
-        with self.sessions() as s:
-            when: datetime | None = s.execute(stmt).scalar()
-        if when is None:
-            return None
-        return max(0.0, (when - now).total_seconds())
+        when: datetime | None = session.execute(stmt).scalar()
+        self._idle.next_due = None if when is None else max(0.0, (when - now).total_seconds())
 
     def _observe(self, reg: _Registration, env: Envelope[Any]) -> None:
         if env.redelivered:
@@ -353,6 +353,8 @@ class Worker:
             return self._batch_once(reg)
         with self.sessions() as s, s.begin():
             envs = reg.queue.try_poll_many(s, self.batch_size, lease=reg.lease)
+            if not envs:
+                self._note_idle(s, reg)
         for env in envs:
             self._in_flight.add(reg, env)
         for i, env in enumerate(envs):
@@ -385,6 +387,8 @@ class Worker:
         assert reg.batch is not None
         with self.sessions() as s, s.begin():
             envs = reg.queue.try_poll_many(s, reg.batch, lease=reg.lease)
+            if not envs:
+                self._note_idle(s, reg)
         if not envs:
             return False
         for env in envs:
@@ -442,6 +446,7 @@ class Worker:
             started = time.monotonic()
             result = reg.queue.process_one(s, self._observed(reg))
             if result is None:
+                self._note_idle(s, reg)
                 return False
         envelope, error, outcome = result
         # Hooks run after the commit, so they report what the database now holds.
