@@ -158,7 +158,7 @@ class AdminMixin:
         """Delete the message stored under ``key``; False when there was none."""
         t = self.table
         stmt = delete(t).where(t.c.queue == self.name, t.c.key == key)
-        return bool(session.execute(stmt).rowcount)  # type: ignore[attr-defined]
+        return bool(st.affected(session, stmt))
 
     def drop_where(self, session: Session, where: MessageFilter) -> int:
         """Delete every message matching ``where``; returns how many."""
@@ -168,7 +168,7 @@ class AdminMixin:
                 "the queue"
             )
         stmt = delete(self.table).where(self._where(where, self.now()))
-        return int(session.execute(stmt).rowcount)  # type: ignore[attr-defined]
+        return st.affected(session, stmt)
 
     def drop_all(self, session: Session, *, confirm: str | None = None) -> int:
         """Delete every message of the queue. ``confirm`` must repeat the queue's name."""
@@ -178,7 +178,7 @@ class AdminMixin:
                 f"pass confirm={self.name!r} to proceed"
             )
         t = self.table
-        return int(session.execute(delete(t).where(t.c.queue == self.name)).rowcount)  # type: ignore[attr-defined]
+        return st.affected(session, delete(t).where(t.c.queue == self.name))
 
     def reschedule(
         self, session: Session, target: str | MessageFilter, at: datetime | None = None
@@ -198,7 +198,7 @@ class AdminMixin:
             .where(self._where(target, now), t.c.status == "pending", ~not_in_flight)
             .values(scheduled_at=when, lock_token=None)
         )
-        return int(session.execute(stmt).rowcount)  # type: ignore[attr-defined]
+        return st.affected(session, stmt)
 
     def requeue_dead(
         self, session: Session, where: MessageFilter | None = None, at: datetime | None = None
@@ -212,7 +212,7 @@ class AdminMixin:
             .where(self._where(where, now), t.c.status == "dead")
             .values(status="pending", scheduled_at=when, lock_token=None, attempts=0)
         )
-        return int(session.execute(stmt).rowcount)  # type: ignore[attr-defined]
+        return st.affected(session, stmt)
 
     def prune(self, session: Session, older_than: timedelta | None = None) -> int:
         """Delete done messages acknowledged more than ``older_than`` (the retention) ago."""
@@ -226,4 +226,4 @@ class AdminMixin:
             t.c.status == "done",
             t.c.last_attempt_at < self.now() - keep,
         )
-        return int(session.execute(stmt).rowcount)  # type: ignore[attr-defined]
+        return st.affected(session, stmt)

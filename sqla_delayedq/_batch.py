@@ -63,7 +63,7 @@ def _validate(q: DelayedQueue[Any], messages: Iterable[OfferInput], now: datetim
             raise InvalidArgument(
                 f"messages[{i}] must be a (key, payload) or (key, payload, at) tuple"
             )
-        at_arg = message[2] if len(message) == 3 else None  # type: ignore[misc]
+        at_arg = message[2] if len(message) == 3 else None
         at = None if at_arg is None else require_aware(at_arg, f"messages[{i}] at")
         items.append(_Item(i, q._key(message[0]), q._encode(message[1]), at))
     return items
@@ -210,7 +210,7 @@ def _update_chunk(session: Session, t: Any, updates: list[tuple[Any, dict[str, A
         params = {f"new_{k}": v for k, v in changes.items()}
         params |= {"row_id": row.id, "seen_at": row.scheduled_at, "seen_token": row.lock_token}
         groups.setdefault(frozenset(changes), []).append(params)
-    for columns, params in groups.items():
+    for columns, rows in groups.items():
         stmt = (
             update(t)
             .where(
@@ -224,10 +224,10 @@ def _update_chunk(session: Session, t: Any, updates: list[tuple[Any, dict[str, A
             )
             .values({c: bindparam(f"new_{c}", type_=t.c[c].type) for c in sorted(columns)})
         )
-        result: Any = session.execute(stmt, params)
-        if result.context.dialect.supports_sane_multi_rowcount and result.rowcount != len(params):
+        result: Any = session.execute(stmt, rows)
+        if result.context.dialect.supports_sane_multi_rowcount and result.rowcount != len(rows):
             raise ConcurrentUpdate(
-                f"{len(params) - result.rowcount} rows of a batch changed under their lock; "
+                f"{len(rows) - result.rowcount} rows of a batch changed under their lock; "
                 "roll back and retry the transaction"
             )
 
@@ -246,4 +246,4 @@ def ack_many(q: DelayedQueue[Any], session: Session, envelopes: Sequence[Envelop
             .where(*cond)
             .values(status="done", scheduled_at=None, lock_token=None, last_attempt_at=q.now())
         )
-    return int(session.execute(stmt).rowcount)
+    return st.affected(session, stmt)

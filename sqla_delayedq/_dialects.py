@@ -218,7 +218,7 @@ class PostgreSQLStrategy(Strategy):
         stmt = self.cached(
             t, "consume", lambda: st.consume_returning(t, P.queue, P.now, P.limit, True)
         )
-        rows = session.execute(stmt, P.take(queue, now, now, limit, "")).all()
+        rows = list(session.execute(stmt, P.take(queue, now, now, limit, "")).all())
         rows.sort(key=lambda r: (r.scheduled_at, r.id))
         return rows
 
@@ -236,7 +236,7 @@ class PostgreSQLStrategy(Strategy):
 
 class MySQLStrategy(Strategy):
     name = "MySQL"
-    min_version = (8, 0, 1)
+    min_version: ClassVar[tuple[int, ...]] = (8, 0, 1)
     why_min_version = "SKIP LOCKED arrived in MySQL 8.0.1"
     max_params = 60_000
     # A shared read, so racing offers of one key that all find it identical never deadlock
@@ -262,7 +262,7 @@ class MySQLStrategy(Strategy):
         if super().is_transient(exc):
             return True
         orig = getattr(exc, "orig", None)
-        args = getattr(orig, "args", ())
+        args: tuple[Any, ...] = getattr(orig, "args", ())
         return bool(args) and args[0] in cls.TRANSIENT_CODES
 
 
@@ -324,7 +324,7 @@ class SQLiteStrategy(Strategy):
         stmt = self.cached(
             t, "consume", lambda: st.consume_returning(t, P.queue, P.now, P.limit, False)
         )
-        rows = session.execute(stmt, P.take(queue, now, now, limit, "")).all()
+        rows = list(session.execute(stmt, P.take(queue, now, now, limit, "")).all())
         rows.sort(key=lambda r: (r.scheduled_at, r.id))
         return rows
 

@@ -266,7 +266,7 @@ class DelayedQueue(AdminMixin, Generic[T]):
         stmt = self._statement(strategy, "insert")
         if strategy.insert_returning:
             return session.execute(stmt, row).first() is not None
-        return bool(session.execute(stmt, row).rowcount == 1)
+        return st.affected(session, stmt, row) == 1
 
     def _offer_one(
         self,
@@ -291,7 +291,7 @@ class DelayedQueue(AdminMixin, Generic[T]):
             if changes is None:
                 return Outcome.IGNORED
             stmt = st.guarded_update(t, row.id, row.scheduled_at, row.lock_token).values(changes)
-            if session.execute(stmt).rowcount == 1:  # type: ignore[attr-defined]
+            if st.affected(session, stmt) == 1:
                 return Outcome.UPDATED
         raise ConcurrentUpdate(
             f"offer of key {key!r} lost {CAS_ROUNDS} races in a row; retry the transaction"
@@ -521,7 +521,7 @@ class DelayedQueue(AdminMixin, Generic[T]):
                 if at is not None
                 else now + self.retry_policy.delay(attempts)
             )
-        updated = session.execute(update(t).where(*guard).values(values)).rowcount == 1  # type: ignore[attr-defined]
+        updated = st.affected(session, update(t).where(*guard).values(values)) == 1
         if not updated:
             return NackOutcome.STALE
         return NackOutcome.DEAD if dead else NackOutcome.RETRY_SCHEDULED
@@ -537,7 +537,7 @@ class DelayedQueue(AdminMixin, Generic[T]):
             last_error=error,
             last_attempt_at=now,
         )
-        return bool(session.execute(stmt).rowcount == 1)  # type: ignore[attr-defined]
+        return st.affected(session, stmt) == 1
 
     # -- settle --------------------------------------------------------------------------
 
@@ -554,7 +554,7 @@ class DelayedQueue(AdminMixin, Generic[T]):
             stmt = st.update_by_token(t, envelope.id, envelope.lock_token).values(
                 status="done", scheduled_at=None, lock_token=None, last_attempt_at=self.now()
             )
-        return bool(session.execute(stmt).rowcount == 1)
+        return st.affected(session, stmt) == 1
 
     def ack_many(self, session: Session, envelopes: Sequence[Envelope[Any]]) -> int:
         """Acknowledge a batch in one statement; returns how many still held their lease."""
@@ -594,7 +594,7 @@ class DelayedQueue(AdminMixin, Generic[T]):
             last_error=text,
             last_attempt_at=now,
         )
-        updated = session.execute(stmt).rowcount == 1  # type: ignore[attr-defined]
+        updated = st.affected(session, stmt) == 1
         return NackOutcome.RETRY_SCHEDULED if updated else NackOutcome.STALE
 
     retry = nack
@@ -604,7 +604,7 @@ class DelayedQueue(AdminMixin, Generic[T]):
         stmt = st.update_by_token(self.table, envelope.id, envelope.lock_token).values(
             scheduled_at=self.now(), lock_token=None
         )
-        return bool(session.execute(stmt).rowcount == 1)  # type: ignore[attr-defined]
+        return st.affected(session, stmt) == 1
 
     def extend(
         self, session: Session, envelope: Envelope[T], lease: timedelta | None = None
@@ -615,6 +615,6 @@ class DelayedQueue(AdminMixin, Generic[T]):
         stmt = st.update_by_token(self.table, envelope.id, envelope.lock_token).values(
             scheduled_at=until
         )
-        if session.execute(stmt).rowcount != 1:  # type: ignore[attr-defined]
+        if st.affected(session, stmt) != 1:
             return None
         return replace(envelope, lease_until=until)

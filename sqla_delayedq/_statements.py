@@ -64,6 +64,12 @@ ROW_COLUMNS = (
 TAKE_COLUMNS = tuple(c for c in ROW_COLUMNS if c not in ("status", "last_attempt_at", "last_error"))
 
 
+def affected(session: Any, stmt: Any, params: Any = None) -> int:
+    """Execute a DML statement and return how many rows it matched."""
+    result: Any = session.execute(stmt, params)
+    return int(result.rowcount)
+
+
 def columns(t: Table, names: tuple[str, ...] = ROW_COLUMNS) -> list[Any]:
     return [t.c[name] for name in names]
 
@@ -195,7 +201,7 @@ def claim_returning(
     )
 
 
-def consume_returning(t: Table, queue: Any, now: Any, limit: Any, skip_locked: bool) -> Delete:
+def consume_returning(t: Table, queue: Any, now: Any, limit: Any, skip_locked: bool) -> Any:
     """Take due rows by deleting them inside the caller's transaction (seed 002).
 
     The rows come back as they were; a rollback restores them, due at once.
@@ -343,7 +349,7 @@ class JsonFieldEquals(ColumnElement[bool]):
         self.document = bindparam(None, json.dumps({name: value}), type_=String())
         self.scalar = bindparam(None, json.dumps(value), type_=String())
         self.path = bindparam(None, "$." + json.dumps(name), type_=String())
-        self.raw = bindparam(None, value)
+        self.raw: Any = bindparam(None, value)
 
     _traverse_internals = [
         ("column", InternalTraversal.dp_clauseelement),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import time
@@ -227,7 +228,7 @@ class AsyncWorker:
             await self._stopping.wait()
             _, pending = await asyncio.wait(tasks, timeout=self.drain_timeout)
             for reg, env, _ in list(self._in_flight.values()):
-                await self._settle(reg, env, lambda s, e=env, r=reg: r.queue.release(s, e))
+                await self._settle(reg, env, functools.partial(reg.queue.release, envelope=env))
             for t in pending:
                 t.cancel()
             return not pending
@@ -318,7 +319,7 @@ class AsyncWorker:
         for env in envs:
             try:
                 if self._stopping.is_set():
-                    await self._settle(reg, env, lambda s, e=env: reg.queue.release(s, e))
+                    await self._settle(reg, env, functools.partial(reg.queue.release, envelope=env))
                     continue
                 self._observe(reg, env)
                 started = time.monotonic()
@@ -327,12 +328,12 @@ class AsyncWorker:
                 except Exception as exc:
                     cur = self._in_flight.get(env.id, (reg, env, 0.0))[1]
                     outcome = await self._settle(
-                        reg, cur, lambda s, e=cur, err=exc: reg.queue.nack(s, e, err)
+                        reg, cur, functools.partial(reg.queue.nack, envelope=cur, error=exc)
                     )
                     self.hooks.failed(reg.queue.name, env, exc, outcome or NackOutcome.STALE)
                 else:
                     cur = self._in_flight.get(env.id, (reg, env, 0.0))[1]
-                    if await self._settle(reg, cur, lambda s, e=cur: reg.queue.ack(s, e)):
+                    if await self._settle(reg, cur, functools.partial(reg.queue.ack, envelope=cur)):
                         self.hooks.processed(reg.queue.name, env, time.monotonic() - started)
             finally:
                 self._in_flight.pop(env.id, None)

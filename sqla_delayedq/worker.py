@@ -18,6 +18,7 @@ database errors are logged and retried with backoff; the worker keeps running.
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import threading
@@ -263,7 +264,7 @@ class Worker:
             t.join(max(0.0, deadline - time.monotonic()))
         stuck = [t for t in self._threads if t.is_alive()]
         for reg, env, _ in self._in_flight.snapshot():
-            self._settle(reg, env, lambda s, e=env, q=reg.queue: q.release(s, e), "release")
+            self._settle(reg, env, functools.partial(reg.queue.release, envelope=env), "release")
         for fn in self._cleanup:
             fn()
         self._cleanup.clear()
@@ -360,7 +361,9 @@ class Worker:
         for i, env in enumerate(envs):
             if self._stopping.is_set():
                 for rest in envs[i:]:
-                    self._settle(reg, rest, lambda s, e=rest: reg.queue.release(s, e), "release")
+                    self._settle(
+                        reg, rest, functools.partial(reg.queue.release, envelope=rest), "release"
+                    )
                     self._in_flight.pop(rest)
                 break
             self._observe(reg, env)
@@ -370,12 +373,17 @@ class Worker:
             except Exception as exc:
                 current = self._in_flight.current(env)
                 outcome = self._settle(
-                    reg, current, lambda s, e=current, err=exc: reg.queue.nack(s, e, err), "nack"
+                    reg,
+                    current,
+                    functools.partial(reg.queue.nack, envelope=current, error=exc),
+                    "nack",
                 )
                 self.hooks.failed(reg.queue.name, env, exc, outcome or NackOutcome.STALE)
             else:
                 current = self._in_flight.current(env)
-                if self._settle(reg, current, lambda s, e=current: reg.queue.ack(s, e), "ack"):
+                if self._settle(
+                    reg, current, functools.partial(reg.queue.ack, envelope=current), "ack"
+                ):
                     self.hooks.processed(reg.queue.name, env, time.monotonic() - started)
                 else:
                     log.warning("ack of %s/%s lost: its lease ran out", reg.queue.name, env.key)
@@ -401,7 +409,7 @@ class Worker:
             for env in envs:
                 cur = self._in_flight.current(env)
                 outcome = self._settle(
-                    reg, cur, lambda s, e=cur, err=exc: reg.queue.nack(s, e, err), "nack"
+                    reg, cur, functools.partial(reg.queue.nack, envelope=cur, error=exc), "nack"
                 )
                 self.hooks.failed(reg.queue.name, env, exc, outcome or NackOutcome.STALE)
         else:
