@@ -358,7 +358,7 @@ class AsyncWorker:
             except Exception as exc:
                 if is_transient(exc):
                     raise
-                outcome = await session.run_sync(lambda s: q._put_back_failed(s, env, row, exc))
+                outcome = await session.run_sync(q._put_back_failed, env, row, exc)
                 failure = (exc, outcome)
         if failure is None:
             self.hooks.processed(reg.queue.name, env, time.monotonic() - started)
