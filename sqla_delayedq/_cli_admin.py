@@ -1,0 +1,326 @@
+"""The commands that change messages: ``retry``, ``requeue``, ``drop`` and ``reschedule``.
+
+Bulk changes run in chunks of ids (1,000 by default), one short transaction per chunk, with a
+progress bar: a million-row requeue never holds one huge transaction or its locks, and an
+interruption leaves the chunks already done committed. Every chunk re-applies the filter, so a
+message that changed in between (taken by a worker, say) is left alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from datetime import datetime, timedelta, timezone
+from typing import Any, cast
+
+import click
+from sqlalchemy import CursorResult, delete, select
+from sqlalchemy.orm import Session
+
+from ._cli_base import (
+    BadInput,
+    Db,
+    RawQueue,
+    build_filter,
+    datetime_option,
+    db_options,
+    duration_option,
+    emit_json,
+    filter_options,
+    has_conditions,
+    json_option,
+    open_db,
+    progress,
+    queues_option,
+)
+from ._types import MessageFilter
+
+UTC = timezone.utc
+CHUNK = 1000
+
+#: Applies a change to the messages of one chunk; returns how many changed.
+Operation = Callable[[RawQueue, Session, MessageFilter], int]
+
+
+def count_matching(db: Db, queues: Sequence[str], where: MessageFilter) -> dict[str, int]:
+    with db.sessions() as s:
+        return {q: db.queue(q).count(s, where) for q in queues}
+
+
+def run_chunked(
+    db: Db,
+    counts: dict[str, int],
+    select_filter: MessageFilter,
+    op: Operation,
+    label: str,
+    chunk: int | None = None,
+) -> int:
+    """Apply ``op`` to the messages matching ``select_filter``, ``chunk`` ids at a time."""
+    chunk = chunk or CHUNK
+    t = db.table
+    changed = 0
+    with progress(label, sum(counts.values())) as advance:
+        for name, expected in counts.items():
+            if not expected:
+                continue
+            queue = db.queue(name)
+            last: int | None = None
+            while True:
+                with db.sessions() as s, s.begin():
+                    cond = queue._where(select_filter, queue.now())
+                    stmt = select(t.c.id).where(cond).order_by(t.c.id).limit(chunk)
+                    if last is not None:
+                        stmt = stmt.where(t.c.id > last)
+                    ids = list(s.scalars(stmt))
+                    if not ids:
+                        break
+                    changed += op(queue, s, replace(select_filter, where=t.c.id.in_(ids)))
+                last = ids[-1]
+                advance(len(ids))
+    return changed
+
+
+def report(
+    as_json: bool, action: str, counts: dict[str, int], changed: int, *, dry_run: bool = False
+) -> None:
+    matched = sum(counts.values())
+    if as_json:
+        emit_json(
+            {
+                "action": action,
+                "dry_run": dry_run,
+                "matched": matched,
+                "changed": 0 if dry_run else changed,
+                "queues": counts,
+            }
+        )
+    elif dry_run:
+        click.echo(f"would {action} {matched:,} message{'s' if matched != 1 else ''}")
+    else:
+        click.echo(f"{action}: {changed:,} message{'s' if changed != 1 else ''}")
+
+
+def when_option(f: Any) -> Any:
+    f = duration_option("--in", "delay", help="Due after this delay (e.g. 10m) instead of now.")(f)
+    return datetime_option("--at", help="Due at this time (ISO 8601 with a UTC offset).")(f)
+
+
+def resolve_when(at: datetime | None, delay: timedelta | None) -> datetime | None:
+    if at is not None and delay is not None:
+        raise BadInput("give --at or --in, not both")
+    if delay is not None:
+        return datetime.now(UTC) + delay
+    return at
+
+
+# -- retry -------------------------------------------------------------------------------------
+
+
+@click.command()
+@db_options
+@queues_option("The messages' queue; default: every queue.")
+@click.argument("keys", nargs=-1, required=True)
+@when_option
+@json_option
+@click.pass_context
+def retry(
+    ctx: click.Context,
+    url: str | None,
+    table: str,
+    queues: tuple[str, ...],
+    keys: tuple[str, ...],
+    at: datetime | None,
+    delay: timedelta | None,
+    as_json: bool,
+) -> None:
+    """Retry the dead messages stored under KEYS: due now (or --at/--in), attempts reset.
+
+    Exits 1 when a key is not a dead message.
+    """
+    when = resolve_when(at, delay)
+    db = open_db(ctx, url, table)
+    names = db.resolve_queues(queues)
+    where = MessageFilter(keys=tuple(dict.fromkeys(keys)))
+    dead = MessageFilter(state="dead", keys=where.keys)
+    with db.sessions() as s, s.begin():
+        found = {
+            (m.queue, m.key) for q in names for m in db.queue(q).search(s, dead, limit=len(keys))
+        }
+        counts = {q: db.queue(q).requeue_dead(s, where, at=when) for q in names}
+    retried = sorted({k for _, k in found})
+    missing = [k for k in dict.fromkeys(keys) if k not in retried]
+    if as_json:
+        emit_json({"retried": retried, "not_dead": missing, "queues": counts})
+    else:
+        for q, k in sorted(found):
+            click.echo(f"retrying {q}/{k}")
+        if missing:
+            click.echo(f"not dead or not found: {', '.join(missing)}", err=True)
+    if missing:
+        ctx.exit(1)
+
+
+# -- requeue -----------------------------------------------------------------------------------
+
+
+@click.command()
+@db_options
+@queues_option("Only this queue (repeatable); default: every queue.")
+@filter_options()
+@when_option
+@click.option("--dry-run", is_flag=True, help="Only count the dead messages that match.")
+@json_option
+@click.pass_context
+def requeue(
+    ctx: click.Context,
+    url: str | None,
+    table: str,
+    queues: tuple[str, ...],
+    key_prefix: str | None,
+    where: tuple[str, ...],
+    at: datetime | None,
+    delay: timedelta | None,
+    dry_run: bool,
+    as_json: bool,
+) -> None:
+    """Make dead messages pending again (all of them, or those matching the filters).
+
+    Runs in chunks with a progress bar; the last error is kept for the record.
+    """
+    when = resolve_when(at, delay)
+    f = replace(build_filter(key_prefix=key_prefix, where=where), state="dead")
+    db = open_db(ctx, url, table)
+    counts = count_matching(db, db.resolve_queues(queues), f)
+    changed = 0
+    if not dry_run:
+        changed = run_chunked(
+            db, counts, f, lambda q, s, w: q.requeue_dead(s, w, at=when), "requeueing"
+        )
+    report(as_json, "requeue", counts, changed, dry_run=dry_run)
+
+
+# -- drop --------------------------------------------------------------------------------------
+
+
+def drop_chunk(queue: RawQueue, session: Session, where: MessageFilter) -> int:
+    """Delete one chunk: by the filter, or (``--all``) every listed id of the queue."""
+    if has_conditions(where):
+        return queue.drop_where(session, where)
+    t = queue.table
+    stmt = delete(t).where(t.c.queue == queue.name, where.where)
+    result = cast("CursorResult[Any]", session.execute(stmt))
+    return int(result.rowcount)
+
+
+def describe(f: MessageFilter, queues: Sequence[str]) -> str:
+    parts = [f"queue{'s' if len(queues) != 1 else ''} {', '.join(queues)}"]
+    if f.state:
+        parts.append(f"state {f.state}")
+    if f.key_prefix:
+        parts.append(f"keys starting {f.key_prefix!r}")
+    if f.keys:
+        parts.append(f"keys {', '.join(f.keys)}")
+    parts.extend(f"{k}={v!r}" for k, v in f.payload.items())
+    return "; ".join(parts)
+
+
+@click.command()
+@db_options
+@queues_option("Only this queue (repeatable); default: every queue.")
+@click.argument("keys", nargs=-1)
+@filter_options(("due", "scheduled", "in_flight", "pending", "dead", "done"))
+@click.option("--all", "everything", is_flag=True, help="Every message of the queues given.")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation (for scripts).")
+@click.option("--dry-run", is_flag=True, help="Only count what would be dropped.")
+@json_option
+@click.pass_context
+def drop(
+    ctx: click.Context,
+    url: str | None,
+    table: str,
+    queues: tuple[str, ...],
+    keys: tuple[str, ...],
+    state: str | None,
+    key_prefix: str | None,
+    where: tuple[str, ...],
+    everything: bool,
+    yes: bool,
+    dry_run: bool,
+    as_json: bool,
+) -> None:
+    """Delete messages: those stored under KEYS, or matching the filters, or --all of a queue.
+
+    Asks for confirmation with the number of messages; --yes skips the question.
+    """
+    f = build_filter(state=state, key_prefix=key_prefix, where=where)
+    if keys:
+        f = replace(f, keys=tuple(dict.fromkeys(keys)))
+    if everything and has_conditions(f):
+        raise BadInput("--all drops every message: give it without keys or filters")
+    if not everything and not has_conditions(f):
+        raise BadInput("say what to drop: KEYS, --state, --key-prefix, --where, or --all with -q")
+    if everything and not queues:
+        raise BadInput("--all needs the queue(s) named with -q")
+    db = open_db(ctx, url, table)
+    names = db.resolve_queues(queues)
+    counts = count_matching(db, names, f)
+    total = sum(counts.values())
+    if dry_run or not total:
+        report(as_json, "drop", counts, 0, dry_run=True)
+        return
+    if not yes:
+        click.confirm(
+            f"Drop {total:,} message{'s' if total != 1 else ''} ({describe(f, names)})?",
+            abort=True,
+            err=True,
+        )
+    changed = run_chunked(db, counts, f, drop_chunk, "dropping")
+    report(as_json, "drop", counts, changed)
+
+
+# -- reschedule --------------------------------------------------------------------------------
+
+
+@click.command()
+@db_options
+@queues_option("Only this queue (repeatable); default: every queue.")
+@click.argument("keys", nargs=-1)
+@filter_options(("due", "scheduled", "pending"))
+@click.option("--all", "everything", is_flag=True, help="Every pending message of the queues.")
+@when_option
+@json_option
+@click.pass_context
+def reschedule(
+    ctx: click.Context,
+    url: str | None,
+    table: str,
+    queues: tuple[str, ...],
+    keys: tuple[str, ...],
+    state: str | None,
+    key_prefix: str | None,
+    where: tuple[str, ...],
+    everything: bool,
+    at: datetime | None,
+    delay: timedelta | None,
+    as_json: bool,
+) -> None:
+    """Move pending messages to now ("process now") or to --at/--in.
+
+    Select them by KEYS or filters, or --all; messages in flight keep their lease.
+    """
+    when = resolve_when(at, delay)
+    f = build_filter(state=state, key_prefix=key_prefix, where=where)
+    if keys:
+        f = replace(f, keys=tuple(dict.fromkeys(keys)))
+    if not everything and not has_conditions(f):
+        raise BadInput("say what to reschedule: KEYS, --state, --key-prefix, --where, or --all")
+    # Only messages the library will move: pending and not in flight.
+    if f.state is None:
+        f = replace(f, state="pending")
+    db = open_db(ctx, url, table)
+    names = db.resolve_queues(queues)
+    counts = count_matching(db, names, f)
+    changed = run_chunked(
+        db, counts, f, lambda q, s, w: q.reschedule(s, w, at=when), "rescheduling"
+    )
+    report(as_json, "reschedule", counts, changed)

@@ -1,0 +1,233 @@
+"""``delayedq cron ls`` and ``delayedq db upgrade|current``.
+
+The migrations are the repository's ``alembic/`` directory, found next to the package (a source
+checkout or an editable install); ``--script-location`` or ``$DELAYEDQ_ALEMBIC_DIR`` points
+elsewhere. Shipping the scripts inside the package would make ``db upgrade`` work from a wheel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import click
+import sqlalchemy as sa
+
+from ._cli_base import (
+    RuntimeFailure,
+    compact_json,
+    create_db_engine,
+    db_options,
+    emit_json,
+    human_time,
+    iso,
+    json_option,
+    new_table,
+    open_db,
+    out,
+    queues_option,
+    require_url,
+    url_option,
+)
+
+UTC = timezone.utc
+ALEMBIC_ENV_VAR = "DELAYEDQ_ALEMBIC_DIR"
+REPO_ALEMBIC = Path(__file__).resolve().parent.parent / "alembic"
+
+# -- cron --------------------------------------------------------------------------------------
+
+
+@click.group()
+def cron() -> None:
+    """Cron configurations installed in the queues."""
+
+
+@cron.command(name="ls")
+@db_options
+@queues_option("Only this queue (repeatable); default: every queue.")
+@click.option("--prefix", help="Only this cron prefix.")
+@json_option
+@click.pass_context
+def cron_ls(
+    ctx: click.Context,
+    url: str | None,
+    table: str,
+    queues: tuple[str, ...],
+    prefix: str | None,
+    as_json: bool,
+) -> None:
+    """Cron configurations by prefix and config hash, with their next tick and tick counts."""
+    from .cron import list_cron
+
+    db = open_db(ctx, url, table)
+    names = db.resolve_queues(queues)
+    with db.sessions() as s:
+        infos = [(q, info) for q in names for info in list_cron(s, db.queue(q), prefix)]
+    if as_json:
+        emit_json({"cron": [cron_dict(q, info) for q, info in infos]})
+        return
+    if not infos:
+        click.echo("no cron configurations")
+        return
+    now = datetime.now(UTC)
+    t = new_table(
+        "queue",
+        "prefix",
+        "hash",
+        "current",
+        "schedule",
+        "next tick",
+        "pending",
+        "dead",
+        right=("pending", "dead"),
+    )
+    for q, info in infos:
+        t.add_row(
+            q,
+            info.prefix,
+            info.config_hash,
+            "yes" if info.current else "no",
+            compact_json(info.schedule, 40) if info.schedule else "-",
+            human_time(info.next_tick, now),
+            f"{info.counts.pending:,}",
+            f"{info.counts.dead:,}",
+        )
+    out().print(t)
+
+
+def cron_dict(queue: str, info: Any) -> dict[str, Any]:
+    c = info.counts
+    return {
+        "queue": queue,
+        "prefix": info.prefix,
+        "config_hash": info.config_hash,
+        "current": info.current,
+        "schedule": info.schedule,
+        "catch_up": info.catch_up,
+        "installed_at": iso(info.installed_at),
+        "installed_until": iso(info.installed_until),
+        "next_tick": iso(info.next_tick),
+        "last_tick": iso(info.last_tick),
+        "counts": {
+            "due": c.due,
+            "scheduled": c.scheduled,
+            "in_flight": c.in_flight,
+            "dead": c.dead,
+            "done": c.done,
+        },
+    }
+
+
+# -- db ----------------------------------------------------------------------------------------
+
+
+@click.group()
+def db() -> None:
+    """Create or upgrade the default message table with the package's Alembic migrations."""
+
+
+def script_location_option(f: Any) -> Any:
+    return click.option(
+        "--script-location",
+        envvar=ALEMBIC_ENV_VAR,
+        type=click.Path(file_okay=False, path_type=Path),
+        help=f"The Alembic directory (default: the repository's alembic/; or ${ALEMBIC_ENV_VAR}).",
+    )(f)
+
+
+def alembic_config(url: str, script_location: Path | None, stdout: Any) -> Any:
+    """An Alembic Config built in code: ``script_location`` and ``-x url=...`` for env.py."""
+    from alembic.config import Config
+
+    location = script_location or REPO_ALEMBIC
+    if not (location / "env.py").is_file():
+        raise RuntimeFailure(
+            f"no Alembic environment at {location} (no env.py); "
+            f"pass --script-location or set ${ALEMBIC_ENV_VAR}"
+        )
+    config = Config(stdout=stdout, cmd_opts=argparse.Namespace(x=[f"url={url}"]))
+    config.set_main_option("script_location", str(location).replace("%", "%%"))
+    config.attributes["configure_logger"] = False
+    return config
+
+
+def revisions(url: str, config: Any) -> tuple[list[str], list[str]]:
+    """(the database's current revisions, the scripts' heads)."""
+    from alembic.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    heads = sorted(ScriptDirectory.from_config(config).get_heads())
+    engine = create_db_engine(url, poolclass=sa.NullPool)
+    try:
+        with engine.connect() as conn:
+            current = sorted(MigrationContext.configure(conn).get_current_heads())
+    finally:
+        engine.dispose()
+    return current, heads
+
+
+@db.command()
+@url_option
+@script_location_option
+@click.argument("revision", default="head")
+@click.option("--sql", is_flag=True, help="Print the SQL instead of running it (offline mode).")
+@json_option
+def upgrade(
+    url: str | None,
+    script_location: Path | None,
+    revision: str,
+    sql: bool,
+    as_json: bool,
+) -> None:
+    """Upgrade the database to REVISION (default: head), creating the message table."""
+    from alembic.command import upgrade as alembic_upgrade
+    from alembic.util import CommandError
+
+    url = require_url(url)
+    if sql:
+        config = alembic_config(url, script_location, sys.stdout)
+        alembic_upgrade(config, revision, sql=True)
+        return
+    config = alembic_config(url, script_location, io.StringIO())
+    before, _ = revisions(url, config)
+    try:
+        alembic_upgrade(config, revision)
+    except CommandError as exc:
+        raise RuntimeFailure(f"alembic: {exc}") from exc
+    after, heads = revisions(url, config)
+    if as_json:
+        emit_json({"from": before, "to": after, "heads": heads, "up_to_date": after == heads})
+    elif before == after:
+        click.echo(f"already at {', '.join(after) or 'base'}")
+    else:
+        click.echo(f"upgraded {', '.join(before) or 'base'} -> {', '.join(after)}")
+
+
+@db.command()
+@url_option
+@script_location_option
+@json_option
+def current(url: str | None, script_location: Path | None, as_json: bool) -> None:
+    """The database's migration revision, and whether it is at head."""
+    from alembic.command import current as alembic_current
+
+    url = require_url(url)
+    buffer = io.StringIO()
+    config = alembic_config(url, script_location, buffer)
+    cur, heads = revisions(url, config)
+    if as_json:
+        emit_json({"current": cur, "heads": heads, "up_to_date": cur == heads})
+        return
+    alembic_current(config)
+    lines = [line for line in buffer.getvalue().splitlines() if line.strip()]
+    if not lines:
+        click.echo("no revision: the database is not initialised; run 'delayedq db upgrade'")
+    else:
+        for line in lines:
+            click.echo(line)
+        if cur != heads:
+            click.echo(f"not at head ({', '.join(heads)}): run 'delayedq db upgrade'")

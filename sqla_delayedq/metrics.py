@@ -1,0 +1,561 @@
+"""Metrics and traces for queues and workers: Prometheus and OpenTelemetry, both optional.
+
+Two kinds of signal, for either backend:
+
+- **Worker events**, through :class:`~sqla_delayedq.worker.WorkerHooks` subclasses: messages
+  processed, failed, dead and redelivered, database errors, handler duration and pickup lag
+  (how late a message was taken). :class:`PrometheusHooks` (``pip install
+  'sqla_delayedq[prometheus]'``) and :class:`OtelHooks` (``pip install 'sqla_delayedq[otel]'``);
+  combine several with :class:`CompositeHooks`.
+- **Queue depth and lag**, read from the table when scraped or collected: messages per queue and
+  state, and the lag of the oldest due message. :class:`QueueStatsCollector` for Prometheus,
+  :func:`observe_queues` for OpenTelemetry. Both use the index-served queries of ``delayedq
+  stats`` and cache them for ``min_interval`` seconds, so frequent scrapes cost one query.
+
+And traces, with OpenTelemetry: :func:`traced_handler` wraps a handler in a ``process <queue>``
+consumer span; :func:`instrument_queue` wraps a queue's ``offer`` and ``offer_batch`` in
+``send <queue>`` producer spans. Spans and metrics go to the global providers unless given.
+
+::
+
+    from prometheus_client import start_http_server
+    from sqla_delayedq.metrics import PrometheusHooks, QueueStatsCollector
+
+    QueueStatsCollector(Session).register()
+    start_http_server(9100)
+    worker = Worker(Session, hooks=PrometheusHooks())
+
+This module imports neither ``prometheus_client`` nor ``opentelemetry`` until a class or function
+that needs one is used.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from sqlalchemy import Table
+from sqlalchemy.orm import Session
+
+from ._cli_stats import QueueStats, queue_stats
+from ._types import Envelope, NackOutcome, OfferMode, OfferResult
+from .models import DelayedMessage
+from .worker import Handler, WorkerHooks
+
+if TYPE_CHECKING:
+    from opentelemetry.metrics import CallbackOptions, Meter, Observation
+    from opentelemetry.trace import Tracer
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.registry import CollectorRegistry
+
+    from ._queue import DelayedQueue
+
+__all__ = [
+    "CompositeHooks",
+    "OtelHooks",
+    "PrometheusHooks",
+    "QueueStatsCollector",
+    "StatsCache",
+    "instrument_queue",
+    "observe_queues",
+    "serve_prometheus",
+    "traced_handler",
+]
+
+log = logging.getLogger("sqla_delayedq.metrics")
+
+UTC = timezone.utc
+STATES = ("due", "scheduled", "in_flight", "dead", "done")
+#: Handler durations from 5 ms to 10 min.
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+#: Pickup lags from 10 ms to 1 day.
+LAG_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600, 4 * 3600, 86400)
+INSTRUMENTATION = "sqla_delayedq"
+
+Q = TypeVar("Q", bound="DelayedQueue[Any]")
+SessionFactory = Callable[[], Session]
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+# -- worker hooks ------------------------------------------------------------------------------
+
+
+class _HandlerClock:
+    """Per-thread start time of the handler now running.
+
+    The worker reports ``lag`` just before it calls a handler and ``processed`` or ``failed``
+    after, on the same thread; the clock turns that into a duration for failures too (the
+    ``failed`` hook carries none).
+    """
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def start(self) -> None:
+        self._local.started = time.monotonic()
+
+    def stop(self) -> float | None:
+        started: float | None = getattr(self._local, "started", None)
+        self._local.started = None
+        return None if started is None else time.monotonic() - started
+
+
+def _guarded(method: Callable[..., None]) -> Callable[..., None]:
+    """Hooks must not raise: log a failing metric update instead of breaking the worker."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        try:
+            method(*args, **kwargs)
+        except Exception:
+            log.exception("metrics hook %s failed", method.__name__)
+
+    return wrapper
+
+
+class CompositeHooks(WorkerHooks):
+    """Several hooks as one: each event goes to every hook, in order."""
+
+    def __init__(self, *hooks: WorkerHooks) -> None:
+        self.hooks = hooks
+
+    @_guarded
+    def processed(self, queue: str, envelope: Envelope[Any], seconds: float) -> None:
+        for h in self.hooks:
+            _guarded(h.processed)(queue, envelope, seconds)
+
+    @_guarded
+    def failed(
+        self, queue: str, envelope: Envelope[Any], error: BaseException, outcome: NackOutcome
+    ) -> None:
+        for h in self.hooks:
+            _guarded(h.failed)(queue, envelope, error, outcome)
+
+    @_guarded
+    def redelivered(self, queue: str, envelope: Envelope[Any]) -> None:
+        for h in self.hooks:
+            _guarded(h.redelivered)(queue, envelope)
+
+    @_guarded
+    def lag(self, queue: str, seconds: float) -> None:
+        for h in self.hooks:
+            _guarded(h.lag)(queue, seconds)
+
+    @_guarded
+    def db_error(self, error: BaseException) -> None:
+        for h in self.hooks:
+            _guarded(h.db_error)(error)
+
+
+class PrometheusHooks(WorkerHooks):
+    """Worker events as Prometheus counters and histograms (labels: ``queue``, ``outcome``).
+
+    ``delayedq_processed_total``, ``delayedq_failed_total``, ``delayedq_dead_total``,
+    ``delayedq_redelivered_total``, ``delayedq_db_errors_total{error}``,
+    ``delayedq_handler_duration_seconds{queue,outcome}`` (outcome ``ok`` or ``failed``) and
+    ``delayedq_pickup_lag_seconds{queue}``.
+    """
+
+    def __init__(
+        self, registry: CollectorRegistry | None = None, *, namespace: str = "delayedq"
+    ) -> None:
+        from prometheus_client import REGISTRY, Counter, Histogram
+
+        reg = REGISTRY if registry is None else registry
+        self._clock = _HandlerClock()
+        q = ["queue"]
+        self.processed_total = Counter(
+            "processed", "Messages handled and acknowledged", q, namespace=namespace, registry=reg
+        )
+        self.failed_total = Counter(
+            "failed", "Handler failures (retried or dead)", q, namespace=namespace, registry=reg
+        )
+        self.dead_total = Counter(
+            "dead",
+            "Messages that died after their last attempt",
+            q,
+            namespace=namespace,
+            registry=reg,
+        )
+        self.redelivered_total = Counter(
+            "redelivered",
+            "Messages taken again after a lease ran out",
+            q,
+            namespace=namespace,
+            registry=reg,
+        )
+        self.db_errors_total = Counter(
+            "db_errors",
+            "Database errors in the worker (retried)",
+            ["error"],
+            namespace=namespace,
+            registry=reg,
+        )
+        self.handler_duration = Histogram(
+            "handler_duration_seconds",
+            "Handler run time",
+            ["queue", "outcome"],
+            namespace=namespace,
+            registry=reg,
+            buckets=DURATION_BUCKETS,
+        )
+        self.pickup_lag = Histogram(
+            "pickup_lag_seconds",
+            "How late messages were taken after they became due",
+            q,
+            namespace=namespace,
+            registry=reg,
+            buckets=LAG_BUCKETS,
+        )
+
+    @_guarded
+    def processed(self, queue: str, envelope: Envelope[Any], seconds: float) -> None:
+        self._clock.stop()
+        self.processed_total.labels(queue).inc()
+        self.handler_duration.labels(queue, "ok").observe(seconds)
+
+    @_guarded
+    def failed(
+        self, queue: str, envelope: Envelope[Any], error: BaseException, outcome: NackOutcome
+    ) -> None:
+        seconds = self._clock.stop()
+        self.failed_total.labels(queue).inc()
+        if outcome is NackOutcome.DEAD:
+            self.dead_total.labels(queue).inc()
+        if seconds is not None:
+            self.handler_duration.labels(queue, "failed").observe(seconds)
+
+    @_guarded
+    def redelivered(self, queue: str, envelope: Envelope[Any]) -> None:
+        self.redelivered_total.labels(queue).inc()
+
+    @_guarded
+    def lag(self, queue: str, seconds: float) -> None:
+        self._clock.start()
+        self.pickup_lag.labels(queue).observe(max(0.0, seconds))
+
+    @_guarded
+    def db_error(self, error: BaseException) -> None:
+        self.db_errors_total.labels(type(error).__name__).inc()
+
+
+class OtelHooks(WorkerHooks):
+    """Worker events as OpenTelemetry instruments (attributes: ``queue``, ``outcome``).
+
+    Counters ``delayedq.messages.processed``, ``.failed``, ``.dead``, ``.redelivered`` and
+    ``delayedq.db.errors``; histograms ``delayedq.handler.duration`` and ``delayedq.pickup.lag``
+    (seconds).
+    """
+
+    def __init__(self, meter: Meter | None = None) -> None:
+        from opentelemetry import metrics
+
+        m = meter or metrics.get_meter(INSTRUMENTATION, _version())
+        self._clock = _HandlerClock()
+        unit = "{message}"
+        self.processed_counter = m.create_counter("delayedq.messages.processed", unit)
+        self.failed_counter = m.create_counter("delayedq.messages.failed", unit)
+        self.dead_counter = m.create_counter("delayedq.messages.dead", unit)
+        self.redelivered_counter = m.create_counter("delayedq.messages.redelivered", unit)
+        self.db_errors_counter = m.create_counter("delayedq.db.errors", "{error}")
+        self.duration = m.create_histogram("delayedq.handler.duration", "s", "Handler run time")
+        self.pickup_lag = m.create_histogram(
+            "delayedq.pickup.lag", "s", "How late messages were taken after they became due"
+        )
+
+    @_guarded
+    def processed(self, queue: str, envelope: Envelope[Any], seconds: float) -> None:
+        self._clock.stop()
+        self.processed_counter.add(1, {"queue": queue})
+        self.duration.record(seconds, {"queue": queue, "outcome": "ok"})
+
+    @_guarded
+    def failed(
+        self, queue: str, envelope: Envelope[Any], error: BaseException, outcome: NackOutcome
+    ) -> None:
+        seconds = self._clock.stop()
+        self.failed_counter.add(1, {"queue": queue})
+        if outcome is NackOutcome.DEAD:
+            self.dead_counter.add(1, {"queue": queue})
+        if seconds is not None:
+            self.duration.record(seconds, {"queue": queue, "outcome": "failed"})
+
+    @_guarded
+    def redelivered(self, queue: str, envelope: Envelope[Any]) -> None:
+        self.redelivered_counter.add(1, {"queue": queue})
+
+    @_guarded
+    def lag(self, queue: str, seconds: float) -> None:
+        self._clock.start()
+        self.pickup_lag.record(max(0.0, seconds), {"queue": queue})
+
+    @_guarded
+    def db_error(self, error: BaseException) -> None:
+        self.db_errors_counter.add(1, {"error": type(error).__name__})
+
+
+# -- depth and lag -----------------------------------------------------------------------------
+
+
+class StatsCache:
+    """Queue stats read at most once per ``min_interval`` seconds, shared by collectors.
+
+    :param sessions: a sessionmaker (or any callable returning a Session) for the database.
+    :param table: the message table; the default ``delayed_queue`` when None.
+    :param queues: the queues to report; every queue in the table when None.
+    """
+
+    def __init__(
+        self,
+        sessions: SessionFactory,
+        *,
+        table: Table | None = None,
+        queues: Sequence[str] | None = None,
+        min_interval: float = 10.0,
+    ) -> None:
+        self.sessions = sessions
+        self.table: Table = table if table is not None else DelayedMessage.__table__  # type: ignore[assignment]
+        self.queues = None if queues is None else list(queues)
+        self.min_interval = min_interval
+        self._lock = threading.Lock()
+        self._read_at = -float("inf")
+        self._stats: list[QueueStats] = []
+        self._ok = False
+        self._seconds = 0.0
+
+    def get(self) -> tuple[list[QueueStats], bool, float]:
+        """(the stats, whether the last read worked, how long it took in seconds)."""
+        with self._lock:
+            if time.monotonic() - self._read_at >= self.min_interval:
+                started = time.monotonic()
+                try:
+                    with self.sessions() as s:
+                        self._stats = queue_stats(
+                            s,
+                            self.table,
+                            datetime.now(UTC),
+                            self.queues,
+                            include_missing=self.queues is not None,
+                        )
+                    self._ok = True
+                except Exception:
+                    log.exception("reading queue stats failed")
+                    self._ok = False
+                self._seconds = time.monotonic() - started
+                self._read_at = time.monotonic()
+            return list(self._stats), self._ok, self._seconds
+
+
+class QueueStatsCollector:
+    """A Prometheus collector for queue depth and lag, read from the table at scrape time.
+
+    ``delayedq_messages{queue,state}``, ``delayedq_oldest_due_lag_seconds{queue}`` (0 when
+    nothing is due), ``delayedq_stats_up`` (0 when the last read failed) and
+    ``delayedq_stats_duration_seconds``. After a failed read the last good values are kept.
+    """
+
+    def __init__(
+        self,
+        sessions: SessionFactory | StatsCache,
+        *,
+        table: Table | None = None,
+        queues: Sequence[str] | None = None,
+        min_interval: float = 10.0,
+        namespace: str = "delayedq",
+    ) -> None:
+        self.cache = (
+            sessions
+            if isinstance(sessions, StatsCache)
+            else StatsCache(sessions, table=table, queues=queues, min_interval=min_interval)
+        )
+        self.namespace = namespace
+
+    def register(self, registry: CollectorRegistry | None = None) -> QueueStatsCollector:
+        from prometheus_client import REGISTRY
+
+        (REGISTRY if registry is None else registry).register(self)
+        return self
+
+    def _families(self) -> tuple[Any, Any, Any, Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        n = self.namespace
+        return (
+            GaugeMetricFamily(
+                f"{n}_messages", "Messages by queue and state", labels=["queue", "state"]
+            ),
+            GaugeMetricFamily(
+                f"{n}_oldest_due_lag_seconds", "Lag of the oldest due message", labels=["queue"]
+            ),
+            GaugeMetricFamily(f"{n}_stats_up", "Whether the last stats query worked"),
+            GaugeMetricFamily(f"{n}_stats_duration_seconds", "Time of the last stats query"),
+        )
+
+    def describe(self) -> Iterator[Metric]:
+        """The metric names, without a query (so registering does not touch the database)."""
+        yield from self._families()
+
+    def collect(self) -> Iterator[Metric]:
+        depth, lag, up, duration = self._families()
+        stats, ok, seconds = self.cache.get()
+        for q in stats:
+            for state in STATES:
+                depth.add_metric([q.queue, state], getattr(q, state))
+            lag.add_metric([q.queue], q.lag_seconds)
+        up.add_metric([], 1.0 if ok else 0.0)
+        duration.add_metric([], seconds)
+        yield from (depth, lag, up, duration)
+
+
+def serve_prometheus(
+    port: int,
+    sessions: SessionFactory,
+    *,
+    addr: str = "0.0.0.0",
+    table: Table | None = None,
+    queues: Sequence[str] | None = None,
+    registry: CollectorRegistry | None = None,
+) -> PrometheusHooks:
+    """Register the depth/lag collector, serve ``/metrics`` on ``port``, return worker hooks."""
+    from prometheus_client import REGISTRY, start_http_server
+
+    reg = REGISTRY if registry is None else registry
+    QueueStatsCollector(sessions, table=table, queues=queues).register(reg)
+    hooks = PrometheusHooks(reg)
+    start_http_server(port, addr, registry=reg)
+    log.info("serving Prometheus metrics on %s:%d", addr, port)
+    return hooks
+
+
+def observe_queues(
+    sessions: SessionFactory | StatsCache,
+    *,
+    meter: Meter | None = None,
+    table: Table | None = None,
+    queues: Sequence[str] | None = None,
+    min_interval: float = 10.0,
+) -> StatsCache:
+    """OpenTelemetry observable gauges ``delayedq.queue.depth`` {queue, state} and
+    ``delayedq.queue.lag`` {queue} (seconds), read from the table when the reader collects."""
+    from opentelemetry import metrics
+    from opentelemetry.metrics import Observation
+
+    cache = (
+        sessions
+        if isinstance(sessions, StatsCache)
+        else StatsCache(sessions, table=table, queues=queues, min_interval=min_interval)
+    )
+    m = meter or metrics.get_meter(INSTRUMENTATION, _version())
+
+    def depth(_options: CallbackOptions) -> Iterable[Observation]:
+        stats, _, _ = cache.get()
+        return [
+            Observation(getattr(q, state), {"queue": q.queue, "state": state})
+            for q in stats
+            for state in STATES
+        ]
+
+    def lag(_options: CallbackOptions) -> Iterable[Observation]:
+        stats, _, _ = cache.get()
+        return [Observation(q.lag_seconds, {"queue": q.queue}) for q in stats]
+
+    m.create_observable_gauge(
+        "delayedq.queue.depth", [depth], "{message}", "Messages by queue and state"
+    )
+    m.create_observable_gauge("delayedq.queue.lag", [lag], "s", "Lag of the oldest due message")
+    return cache
+
+
+# -- traces ------------------------------------------------------------------------------------
+
+
+def _span_attributes(queue: str, key: str | None = None) -> dict[str, Any]:
+    attrs: dict[str, Any] = {
+        "messaging.system": INSTRUMENTATION,
+        "messaging.destination.name": queue,
+    }
+    if key is not None:
+        attrs["messaging.message.id"] = key
+    return attrs
+
+
+def traced_handler(handler: Handler, *, tracer: Tracer | None = None) -> Handler:
+    """``handler`` inside a ``process <queue>`` consumer span (exceptions recorded).
+
+    Works for both modes: the envelope is the first argument.
+    """
+    from opentelemetry import trace
+
+    t = tracer or trace.get_tracer(INSTRUMENTATION, _version())
+
+    @functools.wraps(handler)
+    def traced(envelope: Envelope[Any], *args: Any, **kwargs: Any) -> Any:
+        attrs = _span_attributes(envelope.queue, envelope.key)
+        attrs["messaging.operation.type"] = "process"
+        attrs["delayedq.attempt"] = envelope.attempt
+        attrs["delayedq.delivery"] = envelope.delivery.value
+        with t.start_as_current_span(
+            f"process {envelope.queue}", kind=trace.SpanKind.CONSUMER, attributes=attrs
+        ):
+            return handler(envelope, *args, **kwargs)
+
+    return traced
+
+
+def instrument_queue(queue: Q, *, tracer: Tracer | None = None) -> Q:
+    """Wrap ``queue.offer`` and ``queue.offer_batch`` in ``send <queue>`` producer spans.
+
+    Returns the same queue object; calling it twice does not wrap twice.
+    """
+    from opentelemetry import trace
+
+    if getattr(queue, "_delayedq_traced", False):
+        return queue
+    t = tracer or trace.get_tracer(INSTRUMENTATION, _version())
+    offer, offer_batch = queue.offer, queue.offer_batch
+    name = f"send {queue.name}"
+
+    @functools.wraps(offer)
+    def traced_offer(
+        session: Session,
+        key: str | None,
+        payload: Any,
+        at: datetime | None = None,
+        *,
+        mode: OfferMode | str = OfferMode.REPLACE,
+    ) -> OfferResult:
+        attrs = _span_attributes(queue.name, key)
+        attrs["messaging.operation.type"] = "send"
+        with t.start_as_current_span(name, kind=trace.SpanKind.PRODUCER, attributes=attrs) as span:
+            result = offer(session, key, payload, at, mode=mode)
+            span.set_attribute("messaging.message.id", result.key)
+            span.set_attribute("delayedq.outcome", result.outcome.value)
+            return result
+
+    @functools.wraps(offer_batch)
+    def traced_offer_batch(session: Session, messages: Iterable[Any], **kwargs: Any) -> Any:
+        items = list(messages)
+        attrs = _span_attributes(queue.name)
+        attrs["messaging.operation.type"] = "send"
+        attrs["messaging.batch.message_count"] = len(items)
+        with t.start_as_current_span(name, kind=trace.SpanKind.PRODUCER, attributes=attrs) as span:
+            results: list[OfferResult] = offer_batch(session, items, **kwargs)
+            for outcome in ("created", "updated", "ignored"):
+                count = sum(1 for r in results if r.outcome.value == outcome)
+                span.set_attribute(f"delayedq.{outcome}", count)
+            return results
+
+    setattr(queue, "offer", traced_offer)  # noqa: B010
+    setattr(queue, "offer_batch", traced_offer_batch)  # noqa: B010
+    setattr(queue, "_delayedq_traced", True)  # noqa: B010
+    return queue

@@ -1,0 +1,40 @@
+"""Handlers for the CLI tests' worker subprocesses (``delayedq worker tests.cli_handlers:...``).
+
+Each writes what it did to the file named by ``$DELAYEDQ_TEST_OUT``, one line per event.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from sqla_delayedq import Envelope
+
+
+def _note(text: str) -> None:
+    with Path(os.environ["DELAYEDQ_TEST_OUT"]).open("a", encoding="utf-8") as f:
+        f.write(text + "\n")
+        f.flush()
+
+
+def slow(envelope: Envelope[Any]) -> None:
+    """Sleeps ``payload["sleep"]`` seconds between a start and a done line."""
+    _note(f"start {envelope.key}")
+    time.sleep(float(envelope.payload.get("sleep", 2.0)))
+    _note(f"done {envelope.key}")
+
+
+def slow_transactional(envelope: Envelope[Any], session: Session) -> None:
+    slow(envelope)
+
+
+def failing(envelope: Envelope[Any]) -> None:
+    _note(f"fail {envelope.key}")
+    raise RuntimeError(f"cannot handle {envelope.key}")
+
+
+not_callable = 42

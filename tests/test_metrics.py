@@ -1,0 +1,443 @@
+"""Metrics and traces: Prometheus hooks and collector, OpenTelemetry hooks, gauges and spans.
+
+The hooks are checked event by event and through a real :class:`Worker`; the depth and lag
+collectors against a seeded table on PostgreSQL and SQLite; the exporter over HTTP, from the
+``delayedq worker --metrics-port`` command itself.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy.orm import Session
+
+from sqla_delayedq import (
+    DelayedQueue,
+    Delivery,
+    Envelope,
+    ExponentialBackoff,
+    NackOutcome,
+    Outcome,
+)
+from sqla_delayedq.metrics import (
+    CompositeHooks,
+    OtelHooks,
+    PrometheusHooks,
+    QueueStatsCollector,
+    StatsCache,
+    instrument_queue,
+    observe_queues,
+    serve_prometheus,
+    traced_handler,
+)
+from sqla_delayedq.worker import Worker, WorkerHooks
+from tests.fix_db import Backend
+
+prometheus_client = pytest.importorskip("prometheus_client")
+pytest.importorskip("opentelemetry.sdk")
+
+from opentelemetry.sdk.metrics import MeterProvider  # noqa: E402
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader  # noqa: E402
+from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import (  # noqa: E402
+    InMemorySpanExporter,
+)
+from opentelemetry.trace import SpanKind, StatusCode  # noqa: E402
+from prometheus_client import CollectorRegistry  # noqa: E402
+
+UTC = timezone.utc
+REPO = Path(__file__).resolve().parents[1]
+on_pg_and_sqlite = pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indirect=True)
+
+
+def envelope(
+    key: str = "k", queue: str = "q", delivery: Delivery = Delivery.FIRST
+) -> Envelope[Any]:
+    now = datetime.now(UTC)
+    return Envelope(
+        id=1,
+        queue=queue,
+        key=key,
+        payload={},
+        scheduled_at=now,
+        scheduled_at_initially=now,
+        created_at=now,
+        delivery=delivery,
+        attempt=1,
+        lock_token="t",
+        lease_until=now + timedelta(minutes=5),
+    )
+
+
+def sample(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
+    value: float | None = registry.get_sample_value(name, labels)
+    return value
+
+
+def seed(backend: Backend) -> None:
+    """emails: 2 due (the oldest 60 s late), 1 scheduled, 1 in flight, 1 dead."""
+    now = datetime.now(UTC)
+    q: DelayedQueue[Any] = DelayedQueue("emails", retry=ExponentialBackoff(max_attempts=1))
+    with backend.Session() as s, s.begin():
+        q.offer(s, "dead", {}, now - timedelta(seconds=300))
+        q.offer(s, "flight", {}, now - timedelta(seconds=200))
+    with backend.Session() as s, s.begin():
+        dead, _flight = q.try_poll_many(s, 2, lease=timedelta(hours=1))
+        q.nack(s, dead, "boom")
+    with backend.Session() as s, s.begin():
+        q.offer(s, "a", {}, now - timedelta(seconds=60))
+        q.offer(s, "b", {}, now - timedelta(seconds=1))
+        q.offer(s, "c", {}, now + timedelta(hours=1))
+
+
+# -- Prometheus hooks --------------------------------------------------------------------------
+
+
+def test_prometheus_hooks_count_worker_events() -> None:
+    registry = CollectorRegistry()
+    hooks = PrometheusHooks(registry)
+    hooks.lag("q", 2.0)
+    hooks.processed("q", envelope(), 0.25)
+    hooks.lag("q", 0.5)
+    hooks.failed("q", envelope(), RuntimeError("x"), NackOutcome.RETRY_SCHEDULED)
+    hooks.lag("q", 0.5)
+    hooks.failed("q", envelope(), RuntimeError("x"), NackOutcome.DEAD)
+    hooks.redelivered("q", envelope(delivery=Delivery.REDELIVERY))
+    hooks.db_error(ConnectionError("gone"))
+    assert sample(registry, "delayedq_processed_total", queue="q") == 1
+    assert sample(registry, "delayedq_failed_total", queue="q") == 2
+    assert sample(registry, "delayedq_dead_total", queue="q") == 1
+    assert sample(registry, "delayedq_redelivered_total", queue="q") == 1
+    assert sample(registry, "delayedq_db_errors_total", error="ConnectionError") == 1
+    ok = {"queue": "q", "outcome": "ok"}
+    assert sample(registry, "delayedq_handler_duration_seconds_count", **ok) == 1
+    assert sample(registry, "delayedq_handler_duration_seconds_sum", **ok) == 0.25
+    failed = {"queue": "q", "outcome": "failed"}
+    assert sample(registry, "delayedq_handler_duration_seconds_count", **failed) == 2
+    assert sample(registry, "delayedq_pickup_lag_seconds_count", queue="q") == 3
+    assert sample(registry, "delayedq_pickup_lag_seconds_sum", queue="q") == 3.0
+
+
+def test_a_failure_without_a_start_records_no_duration() -> None:
+    registry = CollectorRegistry()
+    hooks = PrometheusHooks(registry)
+    hooks.failed("q", envelope(), RuntimeError("x"), NackOutcome.STALE)
+    assert sample(registry, "delayedq_failed_total", queue="q") == 1
+    failed = {"queue": "q", "outcome": "failed"}
+    assert sample(registry, "delayedq_handler_duration_seconds_count", **failed) is None
+
+
+class Exploding(WorkerHooks):
+    def processed(self, queue: str, envelope: Envelope[Any], seconds: float) -> None:
+        raise RuntimeError("metrics backend down")
+
+
+def test_composite_hooks_fan_out_and_never_raise() -> None:
+    registry = CollectorRegistry()
+    hooks = CompositeHooks(Exploding(), PrometheusHooks(registry))
+    hooks.lag("q", 1.0)
+    hooks.processed("q", envelope(), 0.1)
+    assert sample(registry, "delayedq_processed_total", queue="q") == 1
+
+
+@on_pg_and_sqlite
+def test_prometheus_hooks_on_a_running_worker(backend: Backend) -> None:
+    registry = CollectorRegistry()
+    q: DelayedQueue[Any] = DelayedQueue("jobs", retry=ExponentialBackoff(max_attempts=1))
+    with backend.Session() as s, s.begin():
+        for key in ("ok-1", "ok-2", "ok-3", "bad"):
+            q.offer(s, key, {"key": key})
+    handled: list[str] = []
+
+    def handler(env: Envelope[Any]) -> None:
+        handled.append(env.key)
+        if env.key == "bad":
+            raise ValueError("bad message")
+
+    worker = Worker(
+        backend.Session, concurrency=2, poll_interval=0.1, hooks=PrometheusHooks(registry)
+    )
+    worker.register(q, handler)
+    worker.start()
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            done = (sample(registry, "delayedq_processed_total", queue="jobs") or 0) + (
+                sample(registry, "delayedq_failed_total", queue="jobs") or 0
+            )
+            if done == 4:
+                break
+            time.sleep(0.05)
+    finally:
+        worker.stop()
+    assert sorted(handled) == ["bad", "ok-1", "ok-2", "ok-3"]
+    assert sample(registry, "delayedq_processed_total", queue="jobs") == 3
+    assert sample(registry, "delayedq_dead_total", queue="jobs") == 1
+    failed = {"queue": "jobs", "outcome": "failed"}
+    assert sample(registry, "delayedq_handler_duration_seconds_count", **failed) == 1
+    assert sample(registry, "delayedq_pickup_lag_seconds_count", queue="jobs") == 4
+
+
+# -- Prometheus collector ----------------------------------------------------------------------
+
+
+@on_pg_and_sqlite
+def test_collector_reports_depth_and_lag(backend: Backend) -> None:
+    seed(backend)
+    registry = CollectorRegistry()
+    QueueStatsCollector(backend.Session, min_interval=0).register(registry)
+    depth = {
+        state: sample(registry, "delayedq_messages", queue="emails", state=state)
+        for state in ("due", "scheduled", "in_flight", "dead", "done")
+    }
+    assert depth == {"due": 2, "scheduled": 1, "in_flight": 1, "dead": 1, "done": 0}
+    lag = sample(registry, "delayedq_oldest_due_lag_seconds", queue="emails")
+    assert lag is not None and 60 <= lag < 600
+    assert sample(registry, "delayedq_stats_up") == 1
+    duration = sample(registry, "delayedq_stats_duration_seconds")
+    assert duration is not None and duration > 0
+
+
+@on_pg_and_sqlite
+def test_collector_caches_between_scrapes(backend: Backend) -> None:
+    seed(backend)
+    registry = CollectorRegistry()
+    collector = QueueStatsCollector(backend.Session, min_interval=3600).register(registry)
+    assert sample(registry, "delayedq_messages", queue="emails", state="due") == 2
+    with backend.Session() as s, s.begin():
+        DelayedQueue[Any]("emails").offer(s, "d", {})
+    assert sample(registry, "delayedq_messages", queue="emails", state="due") == 2
+    collector.cache.min_interval = 0
+    assert sample(registry, "delayedq_messages", queue="emails", state="due") == 3
+
+
+@on_pg_and_sqlite
+def test_collector_of_named_queues_reports_empty_ones_as_zero(backend: Backend) -> None:
+    seed(backend)
+    registry = CollectorRegistry()
+    QueueStatsCollector(backend.Session, queues=["idle"], min_interval=0).register(registry)
+    assert sample(registry, "delayedq_messages", queue="idle", state="due") == 0
+    assert sample(registry, "delayedq_messages", queue="emails", state="due") is None
+
+
+def test_collector_reports_a_failed_read_as_down() -> None:
+    def broken() -> Session:
+        raise ConnectionError("database down")
+
+    registry = CollectorRegistry()
+    QueueStatsCollector(broken, min_interval=0).register(registry)
+    assert sample(registry, "delayedq_stats_up") == 0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text: str = response.read().decode()
+        return text
+
+
+@on_pg_and_sqlite
+def test_serve_prometheus_exposes_depth_and_worker_metrics(backend: Backend) -> None:
+    seed(backend)
+    registry = CollectorRegistry()
+    port = free_port()
+    hooks = serve_prometheus(port, backend.Session, addr="127.0.0.1", registry=registry)
+    hooks.lag("emails", 1.0)
+    hooks.processed("emails", envelope(queue="emails"), 0.1)
+    text = scrape(port)
+    assert 'delayedq_messages{queue="emails",state="due"} 2.0' in text
+    assert 'delayedq_processed_total{queue="emails"} 1.0' in text
+
+
+# -- OpenTelemetry -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def reader() -> InMemoryMetricReader:
+    return InMemoryMetricReader()
+
+
+@pytest.fixture
+def meter_provider(reader: InMemoryMetricReader) -> Iterator[MeterProvider]:
+    provider = MeterProvider(metric_readers=[reader])
+    yield provider
+    provider.shutdown()
+
+
+def points(reader: InMemoryMetricReader) -> dict[str, list[Any]]:
+    data = reader.get_metrics_data()
+    found: dict[str, list[Any]] = {}
+    if data is None:
+        return found
+    for rm in data.resource_metrics:
+        for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+                found.setdefault(metric.name, []).extend(metric.data.data_points)
+    return found
+
+
+def test_otel_hooks_record_worker_events(
+    meter_provider: MeterProvider, reader: InMemoryMetricReader
+) -> None:
+    hooks = OtelHooks(meter_provider.get_meter("test"))
+    hooks.lag("q", 2.0)
+    hooks.processed("q", envelope(), 0.25)
+    hooks.lag("q", 0.5)
+    hooks.failed("q", envelope(), RuntimeError("x"), NackOutcome.DEAD)
+    hooks.redelivered("q", envelope())
+    hooks.db_error(ConnectionError("gone"))
+    found = points(reader)
+
+    def total(name: str) -> float:
+        return float(sum(p.value for p in found[name]))
+
+    assert total("delayedq.messages.processed") == 1
+    assert total("delayedq.messages.failed") == 1
+    assert total("delayedq.messages.dead") == 1
+    assert total("delayedq.messages.redelivered") == 1
+    assert total("delayedq.db.errors") == 1
+    by_outcome = {p.attributes["outcome"]: p for p in found["delayedq.handler.duration"]}
+    assert (by_outcome["ok"].count, by_outcome["ok"].sum) == (1, 0.25)
+    assert by_outcome["failed"].count == 1
+    (lag,) = found["delayedq.pickup.lag"]
+    assert (lag.count, lag.sum, dict(lag.attributes)) == (2, 2.5, {"queue": "q"})
+
+
+@on_pg_and_sqlite
+def test_otel_gauges_report_depth_and_lag(
+    backend: Backend, meter_provider: MeterProvider, reader: InMemoryMetricReader
+) -> None:
+    seed(backend)
+    cache = observe_queues(backend.Session, meter=meter_provider.get_meter("test"), min_interval=0)
+    assert isinstance(cache, StatsCache)
+    found = points(reader)
+    depth = {
+        p.attributes["state"]: p.value
+        for p in found["delayedq.queue.depth"]
+        if p.attributes["queue"] == "emails"
+    }
+    assert depth == {"due": 2, "scheduled": 1, "in_flight": 1, "dead": 1, "done": 0}
+    (lag,) = found["delayedq.queue.lag"]
+    assert 60 <= lag.value < 600
+
+
+@pytest.fixture
+def spans() -> Iterator[tuple[TracerProvider, InMemorySpanExporter]]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield provider, exporter
+    provider.shutdown()
+
+
+def test_traced_handler_spans_each_message(
+    spans: tuple[TracerProvider, InMemorySpanExporter],
+) -> None:
+    provider, exporter = spans
+    tracer = provider.get_tracer("test")
+    ok = traced_handler(lambda env: env.key, tracer=tracer)
+    transactional = traced_handler(lambda env, session: session, tracer=tracer)
+
+    def fails(env: Envelope[Any]) -> None:
+        raise ValueError("nope")
+
+    assert ok(envelope("a", "mail")) == "a"
+    assert transactional(envelope("b", "mail"), "session") == "session"
+    with pytest.raises(ValueError):
+        traced_handler(fails, tracer=tracer)(envelope("c", "mail"))
+    first, second, failed = exporter.get_finished_spans()
+    assert (first.name, first.kind) == ("process mail", SpanKind.CONSUMER)
+    assert first.attributes is not None
+    assert first.attributes["messaging.destination.name"] == "mail"
+    assert first.attributes["messaging.message.id"] == "a"
+    assert first.attributes["delayedq.attempt"] == 1
+    assert second.attributes is not None and second.attributes["messaging.message.id"] == "b"
+    assert failed.status.status_code is StatusCode.ERROR
+    assert [e.name for e in failed.events] == ["exception"]
+
+
+@on_pg_and_sqlite
+def test_instrument_queue_spans_offers(
+    backend: Backend, spans: tuple[TracerProvider, InMemorySpanExporter]
+) -> None:
+    provider, exporter = spans
+    q: DelayedQueue[Any] = instrument_queue(
+        DelayedQueue("mail"), tracer=provider.get_tracer("test")
+    )
+    assert instrument_queue(q) is q  # not wrapped twice
+    with backend.Session() as s, s.begin():
+        assert q.offer(s, "k1", {"n": 1}).outcome is Outcome.CREATED
+        q.offer(s, "k1", {"n": 1})
+        results = q.offer_batch(s, [("k1", {"n": 2}), ("k2", {"n": 1})])
+    assert [r.outcome for r in results] == [Outcome.UPDATED, Outcome.CREATED]
+    one, two, batch = exporter.get_finished_spans()
+    assert (one.name, one.kind) == ("send mail", SpanKind.PRODUCER)
+    assert one.attributes is not None and one.attributes["delayedq.outcome"] == "created"
+    assert two.attributes is not None and two.attributes["delayedq.outcome"] == "ignored"
+    assert batch.attributes is not None
+    assert batch.attributes["messaging.batch.message_count"] == 2
+    assert (batch.attributes["delayedq.created"], batch.attributes["delayedq.updated"]) == (1, 1)
+
+
+# -- the worker command's exporter -------------------------------------------------------------
+
+
+@on_pg_and_sqlite
+def test_worker_command_serves_metrics(backend: Backend, tmp_path: Path) -> None:
+    with backend.Session() as s, s.begin():
+        DelayedQueue[Any]("jobs").offer(s, "job-1", {"sleep": 0.0})
+    port = free_port()
+    env = {
+        **os.environ,
+        "DELAYEDQ_DATABASE_URL": backend.url.render_as_string(hide_password=False),
+        "DELAYEDQ_TEST_OUT": str(tmp_path / "events.txt"),
+    }
+    cmd = [sys.executable, "-m", "sqla_delayedq.cli", "worker", "tests.cli_handlers:slow"]
+    cmd += ["-q", "jobs", "--poll-interval", "0.2", "--metrics-port", str(port)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        text = ""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                text = scrape(port)
+            except OSError:
+                text = ""
+            if 'delayedq_processed_total{queue="jobs"} 1.0' in text:
+                break
+            assert proc.poll() is None, proc.communicate()[1]
+            time.sleep(0.2)
+        assert 'delayedq_processed_total{queue="jobs"} 1.0' in text
+        assert 'delayedq_messages{queue="jobs",state="due"}' in text
+        assert "delayedq_stats_up 1.0" in text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr
+
+
+def test_metrics_hooks_are_worker_hooks() -> None:
+    hooks: list[Callable[[], WorkerHooks]] = [
+        lambda: PrometheusHooks(CollectorRegistry()),
+        lambda: OtelHooks(MeterProvider().get_meter("x")),
+        CompositeHooks,
+    ]
+    assert all(isinstance(make(), WorkerHooks) for make in hooks)
