@@ -162,7 +162,7 @@ class AdminMixin:
 
     def drop_where(self, session: Session, where: MessageFilter) -> int:
         """Delete every message matching ``where``; returns how many."""
-        if where is None or where == MessageFilter():
+        if where is None or _is_empty(where):
             raise InvalidArgument(
                 "drop_where needs at least one condition; use drop_all(confirm=...) to empty "
                 "the queue"
@@ -227,3 +227,16 @@ class AdminMixin:
             t.c.last_attempt_at < self.now() - keep,
         )
         return st.affected(session, stmt)
+
+
+def _is_empty(f: MessageFilter) -> bool:
+    """No condition at all (compared field by field: ``where`` may be an SQL expression)."""
+    return (
+        f.state is None
+        and not f.key_prefix
+        and f.keys is None
+        and not f.payload
+        and f.scheduled_before is None
+        and f.scheduled_after is None
+        and f.where is None
+    )

@@ -477,3 +477,11 @@ def test_consume_refills_past_poison(backend, make_queue, clock):
         s.execute(T.update().where(T.c.key == "poison").values(payload_type="other"))
     with backend.Session() as s, s.begin():
         assert [e.key for e in q.consume(s, 1)] == ["good"]
+
+
+def test_drop_where_with_only_an_sql_condition(backend, make_queue):
+    q = make_queue()
+    with backend.Session() as s, s.begin():
+        q.offer_batch(s, [("a", 1), ("b", 2)])
+        assert q.drop_where(s, MessageFilter(where=T.c.key == "a")) == 1
+        assert [m.key for m in q.search(s)] == ["b"]
