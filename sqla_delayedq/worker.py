@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
@@ -36,6 +36,9 @@ from ._queue import DelayedQueue
 from ._types import Envelope, NackOutcome
 from ._wakeup import channel_for, subscribe
 from .errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from .cron import CronService
 
 __all__ = ["Handler", "Mode", "Worker", "WorkerHooks"]
 
@@ -175,7 +178,8 @@ class Worker:
         self._in_flight = _InFlight()
         self._idle = threading.local()
         self._threads: list[threading.Thread] = []
-        self._cleanup: list[Callable[[], None]] = []
+        self._cleanup: list[Callable[[], Any]] = []
+        self._crons: list[tuple[CronService, timedelta | float | None]] = []
         self._started = False
 
     # -- configuration -------------------------------------------------------------------
@@ -224,6 +228,18 @@ class Worker:
         )
         return self
 
+    def add_cron(
+        self, service: CronService, *, interval: timedelta | float | None = None
+    ) -> Worker:
+        """Run ``service``'s installer while the worker runs (started by :meth:`start`).
+
+        Every worker process may do this: installs from many processes create each tick once.
+        """
+        if self._started:
+            raise InvalidArgument("add cron services before starting the worker")
+        self._crons.append((service, interval))
+        return self
+
     # -- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> None:
@@ -241,6 +257,9 @@ class Worker:
             listener = PgListener(engine, [channel_for(t) for t in tables], self._wakeup.notify)
             listener.start()
             self._cleanup.append(listener.stop)
+        for service, interval in self._crons:
+            kwargs = {} if interval is None else {"interval": interval}
+            self._cleanup.append(service.install(self.sessions, **kwargs).stop)
         for i in range(self.concurrency):
             t = threading.Thread(target=self._loop, name=f"{self.name}-{i}", daemon=True)
             t.start()
