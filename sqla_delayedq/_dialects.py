@@ -58,6 +58,8 @@ class Strategy(abc.ABC):
     has_notify: ClassVar[bool] = False
     #: Whether ``UPDATE ... RETURNING`` exists.
     update_returning: ClassVar[bool] = True
+    #: The lock a poll takes on the rows it picks (None: the backend has no row locks).
+    poll_lock: ClassVar[st.Lock] = "update_skip_locked"
     #: Batch offers insert first and read only the keys that were not written. Backends whose
     #: insert-if-absent takes shared locks on existing rows (MySQL) read-lock first instead.
     batch_insert_first: ClassVar[bool] = True
@@ -129,18 +131,16 @@ class Strategy(abc.ABC):
         picked = self._due(session, t, queue, now, limit)
         if not picked:
             return []
-        ids = [r.id for r in picked]
-        session.execute(st.take_ids(t, ids, now, lease_until, prefix))
+        take = st.take_ids(t, [r.id for r in picked], now, lease_until, prefix)
+        if self.poll_lock is None:
+            # No row locks (SQLite): the guarded update itself says which rows were ours.
+            taken = set(session.execute(take.returning(t.c.id)).scalars())
+            picked = [r for r in picked if r.id in taken]
+        else:
+            session.execute(take)
         return [
-            Claimed(
-                _taken(r, lease_until, prefix),
-                r.lock_token,
-                r.scheduled_at,
-            )
-            for r in picked
+            Claimed(_taken(r, lease_until, prefix), r.lock_token, r.scheduled_at) for r in picked
         ]
-
-    poll_lock: ClassVar[st.Lock] = "update_skip_locked"
 
     def consume(
         self, session: Session, t: Table, queue: str, now: datetime, limit: int
@@ -289,34 +289,6 @@ class SQLiteStrategy(Strategy):
 
     def insert_ignore(self, t: Table) -> Insert:
         return sqlite.insert(t).on_conflict_do_nothing(index_elements=["queue", "key"])
-
-    def claim(
-        self,
-        session: Session,
-        t: Table,
-        queue: str,
-        now: datetime,
-        lease_until: datetime,
-        limit: int,
-        prefix: str,
-    ) -> list[Claimed]:
-        picked = self._due(session, t, queue, now, limit)
-        if not picked:
-            return []
-        taken = set(
-            session.execute(
-                st.take_ids(t, [r.id for r in picked], now, lease_until, prefix).returning(t.c.id)
-            ).scalars()
-        )
-        return [
-            Claimed(
-                _taken(r, lease_until, prefix),
-                r.lock_token,
-                r.scheduled_at,
-            )
-            for r in picked
-            if r.id in taken
-        ]
 
     def consume(
         self, session: Session, t: Table, queue: str, now: datetime, limit: int

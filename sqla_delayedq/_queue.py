@@ -75,6 +75,23 @@ def error_text(error: BaseException | str) -> str:
     return text[:ERROR_MAX]
 
 
+def _envelope(row: Any, payload: T, due_at: datetime, prev_token: str | None) -> Envelope[T]:
+    """The envelope of a taken row; ``due_at`` and ``prev_token`` as they were before the take."""
+    return Envelope(
+        id=row.id,
+        queue=row.queue,
+        key=row.key,
+        payload=payload,
+        scheduled_at=due_at,
+        scheduled_at_initially=row.scheduled_at_initially,
+        created_at=row.created_at,
+        delivery=Delivery.FIRST if prev_token is None else Delivery.REDELIVERY,
+        attempt=row.attempts + 1,
+        lock_token=row.lock_token,
+        lease_until=row.scheduled_at,
+    )
+
+
 class DelayedQueue(AdminMixin, Generic[T]):
     """A named queue of payloads of type ``T``, stored in ``model``'s table.
 
@@ -368,19 +385,7 @@ class DelayedQueue(AdminMixin, Generic[T]):
         except DecodeError as exc:
             self._bury(session, row.id, row.lock_token, row.attempts + 1, error_text(exc), now)
             return None
-        return Envelope(
-            id=row.id,
-            queue=row.queue,
-            key=row.key,
-            payload=payload,
-            scheduled_at=claimed.prev_scheduled_at,
-            scheduled_at_initially=row.scheduled_at_initially,
-            created_at=row.created_at,
-            delivery=Delivery.FIRST if claimed.prev_token is None else Delivery.REDELIVERY,
-            attempt=row.attempts + 1,
-            lock_token=row.lock_token,
-            lease_until=row.scheduled_at,
-        )
+        return _envelope(row, payload, claimed.prev_scheduled_at, claimed.prev_token)
 
     def consume(self, session: Session, n: int = 1) -> list[Envelope[T]]:
         """Take up to ``n`` due messages for processing inside the caller's transaction.
@@ -471,16 +476,9 @@ class DelayedQueue(AdminMixin, Generic[T]):
             dead["last_attempt_at"] = now
             session.execute(self.table.insert().values(dead))
             return None
-        return Envelope(
-            id=row.id,
-            queue=row.queue,
-            key=row.key,
-            payload=payload,
-            scheduled_at=row.scheduled_at,
-            scheduled_at_initially=row.scheduled_at_initially,
-            created_at=row.created_at,
-            delivery=Delivery.FIRST if row.lock_token is None else Delivery.REDELIVERY,
-            attempt=row.attempts + 1,
+        # Consumed: no lease and no token; the row's own due time and token are the "before".
+        return replace(
+            _envelope(row, payload, row.scheduled_at, row.lock_token),
             lock_token="",
             lease_until=now,
         )
