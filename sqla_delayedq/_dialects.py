@@ -9,6 +9,7 @@ The server version is checked on first use; an older server is refused with a cl
 from __future__ import annotations
 
 import abc
+import json
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -170,17 +171,27 @@ class PostgreSQLStrategy(Strategy):
         self, session: Session, t: Table, rows: list[dict[str, Any]]
     ) -> set[str] | None:
         first = rows[0]
+        document = json.dumps(
+            [
+                {
+                    "k": r["key"],
+                    "p": r["payload"],
+                    "b": None if r["payload_bytes"] is None else r["payload_bytes"].hex(),
+                    "a": r["scheduled_at"].isoformat(),
+                    "a0": r["scheduled_at_initially"].isoformat(),
+                }
+                for r in rows
+            ],
+            separators=(",", ":"),
+        )
         params = {
             "u_queue": first["queue"],
             "u_type": first["payload_type"],
             "u_now": first["created_at"],
-            "u_key": [r["key"] for r in rows],
-            "u_payload": [r["payload"] for r in rows],
-            "u_bytes": [r["payload_bytes"] for r in rows],
-            "u_at": [r["scheduled_at"] for r in rows],
-            "u_at0": [r["scheduled_at_initially"] for r in rows],
+            "u_rows": document,
         }
-        return set(session.execute(_unnest_insert(t), params).scalars())
+        stmt = self.cached(t, "insert_rows", lambda: st.recordset_insert(t))
+        return set(session.execute(stmt, params).scalars())
 
     TRANSIENT_STATES = frozenset({"40001", "40P01", "55P03", "57P01", "57P02", "57P03"})
 
@@ -318,16 +329,6 @@ def _taken(row: Any, lease_until: datetime, prefix: str) -> SimpleNamespace:
             "attempts": row.attempts + lost,
         }
     )
-
-
-_unnest_cache: dict[Table, Any] = {}
-
-
-def _unnest_insert(t: Table) -> Any:
-    stmt = _unnest_cache.get(t)
-    if stmt is None:
-        stmt = _unnest_cache[t] = st.unnest_insert(t)
-    return stmt
 
 
 _cache: weakref.WeakKeyDictionary[Dialect, Strategy] = weakref.WeakKeyDictionary()

@@ -485,3 +485,19 @@ def test_drop_where_with_only_an_sql_condition(backend, make_queue):
         q.offer_batch(s, [("a", 1), ("b", 2)])
         assert q.drop_where(s, MessageFilter(where=T.c.key == "a")) == 1
         assert [m.key for m in q.search(s)] == ["b"]
+
+
+def test_offer_batch_of_bytes_and_exact_times(backend, make_queue, clock):
+    from datetime import datetime, timezone
+
+    from sqla_delayedq import BytesSerializer
+
+    q = make_queue(serializer=BytesSerializer())
+    at = datetime(2031, 1, 2, 3, 4, 5, 678901, tzinfo=timezone.utc)
+    with backend.Session() as s, s.begin():
+        results = q.offer_batch(s, [("a", b"\x00\x01raw", at), ("b", b"", at)])
+        assert [r.outcome for r in results] == [Outcome.CREATED, Outcome.CREATED]
+    with backend.Session() as s:
+        a, b = q.get(s, "a"), q.get(s, "b")
+        assert (a.payload, b.payload) == (b"\x00\x01raw", b"")
+        assert a.scheduled_at == at and a.scheduled_at_initially == at
