@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import signal
 import time
 from collections.abc import Sequence
 from datetime import datetime, timezone
@@ -121,6 +122,10 @@ def stats(
         else:
             out().print(stats_table(result))
         return
+    # Stop on SIGINT and SIGTERM even when started in the background, where the shell hands
+    # the process SIGINT ignored and Python then never raises KeyboardInterrupt.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.default_int_handler)
     try:
         if as_json:
             while True:
