@@ -14,9 +14,9 @@ import os
 from logging.config import fileConfig
 from typing import Any
 
+from alembic import context
 from sqlalchemy import Connection, pool
 
-from alembic import context
 from sqla_delayedq import create_engine
 from sqla_delayedq.migration import render_item
 from sqla_delayedq.models import metadata

@@ -38,8 +38,12 @@ def summarise(measures: list[Measure]) -> dict[str, Any]:
         "rate_median": statistics.median(rates),
         "rate_min": min(rates),
         "rate_max": max(rates),
-        "client_cpu_us_per_msg": statistics.median(m.client_cpu / m.messages * 1e6 for m in measures),
-        "server_cpu_us_per_msg": statistics.median(m.server_cpu / m.messages * 1e6 for m in measures),
+        "client_cpu_us_per_msg": statistics.median(
+            m.client_cpu / m.messages * 1e6 for m in measures
+        ),
+        "server_cpu_us_per_msg": statistics.median(
+            m.server_cpu / m.messages * 1e6 for m in measures
+        ),
     }
     for key in measures[0].extra:
         values = [m.extra[key] for m in measures]
@@ -49,7 +53,9 @@ def summarise(measures: list[Measure]) -> dict[str, Any]:
     return out
 
 
-def run_postgresql(workloads: list[str], runs: int, scale: float, sync: str, tmp: Path) -> dict[str, Any]:
+def run_postgresql(
+    workloads: list[str], runs: int, scale: float, sync: str, tmp: Path
+) -> dict[str, Any]:
     results: dict[str, Any] = {}
     with fresh_database("postgresql", tmp, sync_commit_off=(sync == "off")) as url:
         settings = pg_settings(url)
@@ -65,8 +71,11 @@ def run_postgresql(workloads: list[str], runs: int, scale: float, sync: str, tmp
                     truncate(url)
                     m = fn(url, "postgresql", n)
                     sink.append(m)
-                    print(f"  postgresql sync={sync} {w} run {r + 1} {label}: {m.rate:,.0f} msg/s"
-                          + "".join(f" {k}={v:.2f}" for k, v in m.extra.items()), flush=True)
+                    print(
+                        f"  postgresql sync={sync} {w} run {r + 1} {label}: {m.rate:,.0f} msg/s"
+                        + "".join(f" {k}={v:.2f}" for k, v in m.extra.items()),
+                        flush=True,
+                    )
             o, b = summarise(ours), summarise(base)
             entry: dict[str, Any] = {"messages": n, "ours": o, "baseline": b}
             if w == "L1":
@@ -81,7 +90,9 @@ def run_postgresql(workloads: list[str], runs: int, scale: float, sync: str, tmp
     return {"settings": settings, "workloads": results}
 
 
-def run_ours_only(backend: str, workloads: list[str], runs: int, scale: float, tmp: Path) -> dict[str, Any]:
+def run_ours_only(
+    backend: str, workloads: list[str], runs: int, scale: float, tmp: Path
+) -> dict[str, Any]:
     results: dict[str, Any] = {}
     with fresh_database(backend, tmp) as url:
         for w in workloads:
@@ -91,8 +102,11 @@ def run_ours_only(backend: str, workloads: list[str], runs: int, scale: float, t
                 truncate(url)
                 m = OURS[w](url, backend, n)
                 measures.append(m)
-                print(f"  {backend} {w} run {r + 1}: {m.rate:,.0f} msg/s"
-                      + "".join(f" {k}={v:.2f}" for k, v in m.extra.items()), flush=True)
+                print(
+                    f"  {backend} {w} run {r + 1}: {m.rate:,.0f} msg/s"
+                    + "".join(f" {k}={v:.2f}" for k, v in m.extra.items()),
+                    flush=True,
+                )
             results[w] = {"messages": n, "ours": summarise(measures)}
     return {"workloads": results}
 
@@ -106,9 +120,13 @@ def table(report: dict[str, Any]) -> str:
         for w, e in block["workloads"].items():
             o, b = e["ours"], e["baseline"]
             if w == "L1":
-                ours_cell = f"p50 {o['p50_ms']:.2f} / p95 {o['p95_ms']:.2f} / p99 {o['p99_ms']:.2f} ms"
+                ours_cell = (
+                    f"p50 {o['p50_ms']:.2f} / p95 {o['p95_ms']:.2f} / p99 {o['p99_ms']:.2f} ms"
+                )
                 base_cell = f"p99 {b['p99_ms']:.2f} ms"
-                lines.append(f"| postgresql | {key} | L1 | {ours_cell} | {base_cell} | – | p99 ≤ 5 ms | {'yes' if e['meets_target'] else 'NO'} |")
+                lines.append(
+                    f"| postgresql | {key} | L1 | {ours_cell} | {base_cell} | – | p99 ≤ 5 ms | {'yes' if e['meets_target'] else 'NO'} |"
+                )
                 continue
             lines.append(
                 f"| postgresql | {key} | {w} | {o['rate_median']:,.0f} ({o['rate_min']:,.0f}–{o['rate_max']:,.0f}) "
@@ -117,15 +135,21 @@ def table(report: dict[str, Any]) -> str:
     for backend in ("mariadb", "sqlite"):
         for w, e in report.get(backend, {}).get("workloads", {}).items():
             o = e["ours"]
-            cell = (f"p50 {o['p50_ms']:.2f} / p99 {o['p99_ms']:.2f} ms" if w == "L1"
-                    else f"{o['rate_median']:,.0f} ({o['rate_min']:,.0f}–{o['rate_max']:,.0f})")
+            cell = (
+                f"p50 {o['p50_ms']:.2f} / p99 {o['p99_ms']:.2f} ms"
+                if w == "L1"
+                else f"{o['rate_median']:,.0f} ({o['rate_min']:,.0f}–{o['rate_max']:,.0f})"
+            )
             lines.append(f"| {backend} | default | {w} | {cell} | – | – | – | – |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--scale", type=float, default=1.0, help="fraction of the standard sizes")
     parser.add_argument("--only", default="E1,E2,C1,C2,L1")
@@ -137,7 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     report: dict[str, Any] = {
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0]},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": sys.version.split()[0],
+        },
         "runs": args.runs,
         "scale": args.scale,
         "postgresql": {},
@@ -147,11 +175,15 @@ def main(argv: list[str] | None = None) -> int:
             modes = ["on", "off"] if args.sync_commit == "both" else [args.sync_commit]
             for sync in modes:
                 print(f"PostgreSQL, synchronous_commit={sync}", flush=True)
-                report["postgresql"][sync] = run_postgresql(workloads, args.runs, args.scale, sync, Path(tmp))
+                report["postgresql"][sync] = run_postgresql(
+                    workloads, args.runs, args.scale, sync, Path(tmp)
+                )
         for backend in ("mariadb", "sqlite"):
             if backend in backends:
                 print(backend, flush=True)
-                report[backend] = run_ours_only(backend, workloads, args.runs, args.scale, Path(tmp))
+                report[backend] = run_ours_only(
+                    backend, workloads, args.runs, args.scale, Path(tmp)
+                )
     Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
     print()
     print(table(report))

@@ -26,7 +26,9 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 
 def _admin(backend: str) -> sa.Engine:
-    return sa.create_engine(ADMIN_URLS[backend], isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
+    return sa.create_engine(
+        ADMIN_URLS[backend], isolation_level="AUTOCOMMIT", poolclass=sa.NullPool
+    )
 
 
 @contextmanager

@@ -40,7 +40,9 @@ def _fill(url: URL, n: int) -> None:
     now = datetime.now(timezone.utc)
     for start in range(0, n, 5000):
         with sessions.begin() as s:
-            q.offer_batch(s, [(f"m{i}", payload(i), now) for i in range(start, min(n, start + 5000))])
+            q.offer_batch(
+                s, [(f"m{i}", payload(i), now) for i in range(start, min(n, start + 5000))]
+            )
     engine.dispose()
 
 
@@ -118,7 +120,9 @@ def base_e2(url: URL, backend: str, n: int, batch: int = 1000) -> Measure:
             now = datetime.now(timezone.utc)
             with conn.transaction(), conn.cursor().copy(copy) as cp:
                 for i in range(start, start + batch):
-                    cp.write_row((QUEUE, f"e2-{i}", "json", Jsonb(payload(i)), "pending", now, now, now, 0))
+                    cp.write_row(
+                        (QUEUE, f"e2-{i}", "json", Jsonb(payload(i)), "pending", now, now, now, 0)
+                    )
     return m.result(n)
 
 
@@ -182,7 +186,9 @@ def _base_drain(url: URL, backend: str, n: int, consumers: int, batch: int) -> M
     def consume() -> None:
         with psycopg.connect(_libpq(url), autocommit=True) as conn:
             while True:
-                rows = conn.execute(BASE_TAKE, (QUEUE, datetime.now(timezone.utc), batch)).fetchall()
+                rows = conn.execute(
+                    BASE_TAKE, (QUEUE, datetime.now(timezone.utc), batch)
+                ).fetchall()
                 if not rows:
                     return
                 with lock:
@@ -265,7 +271,9 @@ def base_l1(url: URL, backend: str, n: int, rate: float = 200.0) -> Measure:
                 for _ in conn.notifies(timeout=0.2, stop_after=1):
                     break
                 while True:
-                    rows = conn.execute(BASE_TAKE, (QUEUE, datetime.now(timezone.utc), 1)).fetchall()
+                    rows = conn.execute(
+                        BASE_TAKE, (QUEUE, datetime.now(timezone.utc), 1)
+                    ).fetchall()
                     if not rows:
                         break
                     started[rows[0][2]["user_id"]] = time.perf_counter()

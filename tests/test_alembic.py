@@ -19,6 +19,7 @@ from typing import Any, cast
 
 import pytest
 import sqlalchemy as sa
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.config import Config
 from alembic.migration import MigrationContext
@@ -27,7 +28,6 @@ from sqlalchemy.dialects import mysql
 from sqlalchemy.engine import URL, Dialect, Engine, make_url
 from sqlalchemy.orm import Session
 
-from alembic import command
 from sqla_delayedq import DelayedMessage, DelayedQueue, Outcome, QueueMessageMixin, create_engine
 from sqla_delayedq._time import DateTimeUTC
 from sqla_delayedq.migration import (

@@ -1,4 +1,4 @@
-"""The queue through ``AsyncSession`` on PostgreSQL (psycopg's async driver), and the async worker."""
+"""The queue through ``AsyncSession`` on PostgreSQL (psycopg async), and the async worker."""
 
 from __future__ import annotations
 

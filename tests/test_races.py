@@ -119,7 +119,7 @@ def test_lease_mode_consumers_never_share_a_message(server_backend):
                 return
             with lock:
                 delivered.extend(e.payload for e in envs)
-            acked = in_transaction(server_backend, lambda s: q.ack_many(s, envs))
+            acked = in_transaction(server_backend, lambda s, envs=envs: q.ack_many(s, envs))
             assert acked == len(envs)
 
     with ThreadPoolExecutor(6) as pool:
@@ -171,5 +171,5 @@ def test_offer_batch_races_single_offers_on_overlapping_keys(server_backend):
         ).all()
     assert len(stored) == len(expected_keys)
     assert {k for k, _ in stored} == expected_keys
-    for key, payload in stored:
+    for _key, payload in stored:
         assert payload["v"] in ("old", "batch", "batch-again") or payload["v"].startswith("single")

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from logging.config import fileConfig
 
+from alembic import context
 from sqlalchemy import pool
 
-from alembic import context
 from sqla_delayedq import create_engine
 from sqla_delayedq.migration import render_item
 from tests.host_app.models import Base

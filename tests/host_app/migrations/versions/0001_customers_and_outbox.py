@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import sqlalchemy as sa
-
 from alembic import op
+
 from sqla_delayedq.migration import create_queue_table, drop_queue_table
 
 revision: str = "0001"
