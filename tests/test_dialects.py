@@ -1,0 +1,72 @@
+"""Backend strategies are chosen by capability and refuse servers that lack what the queue needs."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+import pytest
+from sqlalchemy.dialects import mysql, postgresql, sqlite
+
+from sqla_delayedq import DelayedMessage, UnsupportedBackend
+from sqla_delayedq import _statements as st
+from sqla_delayedq._dialects import (
+    MariaDBStrategy,
+    MySQLStrategy,
+    PostgreSQLStrategy,
+    _strategy_class,
+    is_transient,
+)
+
+T = DelayedMessage.__table__
+NOW = datetime(2030, 1, 1, tzinfo=timezone.utc)
+
+
+def dialect_with(dialect, version):
+    dialect.server_version_info = version
+    return dialect
+
+
+@pytest.mark.parametrize(
+    ("dialect", "version", "message"),
+    [
+        (postgresql.dialect(), (11, 9), "PostgreSQL 11.9 is too old"),
+        (mysql.dialect(), (8, 0, 0), "SKIP LOCKED arrived in MySQL 8.0.1"),
+        (mysql.dialect(is_mariadb=True), (10, 5, 12), "SKIP LOCKED arrived in MariaDB 10.6"),
+    ],
+)
+def test_older_servers_are_refused_with_a_clear_error(dialect, version, message):
+    d = dialect_with(dialect, version)
+    with pytest.raises(UnsupportedBackend, match=message):
+        _strategy_class(d)(d)
+
+
+def test_strategies_are_chosen_by_capability_not_just_by_name():
+    assert _strategy_class(dialect_with(postgresql.dialect(), (15, 2))) is PostgreSQLStrategy
+    assert _strategy_class(dialect_with(mysql.dialect(), (8, 0, 36))) is MySQLStrategy
+    maria = dialect_with(mysql.dialect(is_mariadb=True), (10, 11, 6))
+    assert _strategy_class(maria) is MariaDBStrategy
+    assert MariaDBStrategy.insert_returning and not MySQLStrategy.insert_returning
+    assert not MySQLStrategy.update_returning and PostgreSQLStrategy.has_notify
+
+
+def test_sqlite_polls_without_for_update_and_servers_skip_locked():
+    due = st.select_due(T, "q", NOW, 5, None)
+    assert "FOR UPDATE" not in str(due.compile(dialect=sqlite.dialect()))
+    locked = st.select_due(T, "q", NOW, 5, "update_skip_locked")
+    assert "FOR UPDATE SKIP LOCKED" in str(locked.compile(dialect=postgresql.dialect()))
+    assert "FOR UPDATE SKIP LOCKED" in str(locked.compile(dialect=mysql.dialect()))
+
+
+def test_transient_errors_are_recognised():
+    from sqlalchemy.exc import OperationalError
+
+    class PgError(Exception):
+        sqlstate = "40P01"
+
+    class MyError(Exception):
+        pass
+
+    assert is_transient(OperationalError("x", {}, PgError()))
+    assert is_transient(OperationalError("x", {}, MyError(1213, "Deadlock found")))
+    assert not is_transient(OperationalError("x", {}, MyError(1062, "Duplicate entry")))
+    assert not is_transient(ValueError("not a database error"))
