@@ -1,0 +1,364 @@
+"""PostgreSQL on the executors: ``COPY`` in, one upsert per transaction, ``COPY`` out.
+
+Writing a partition: ``COPY`` its rows (as CSV that Arrow renders in C++) into a temporary
+staging table, then one ``INSERT ... SELECT ... ORDER BY queue, key ON CONFLICT (queue, key)``
+that applies the offer mode to every row at once, counts what it created and updated
+(``RETURNING xmax = 0``) and commits. The sort makes concurrent writers lock keys in one order,
+so overlapping partitions wait for each other instead of deadlocking. The transaction covers
+the whole partition (or each ``commit_every`` slice), so a failed task leaves nothing or whole
+slices behind, and the retry finds those rows identical and leaves them alone.
+
+Reading a range of ids: ``COPY (SELECT ...) TO STDOUT`` as CSV, parsed by Arrow into record
+batches of the schema Spark expects. Statement builders are pure; only ``write_partition`` and
+``read_range`` do I/O.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pcsv
+from psycopg import sql
+
+from .._types import OfferMode
+from .._wakeup import channel_for
+from ._common import (
+    ROW_COLUMNS,
+    TIMESTAMP_COLUMNS,
+    ConnectSpec,
+    Counts,
+    ReadPlan,
+    WritePlan,
+    normalise,
+)
+
+STAGE = sql.Identifier("sqla_delayedq_stage")
+
+_CSV_OUT = pcsv.WriteOptions(include_header=False)
+
+#: Bytes of ``COPY TO`` output gathered before Arrow parses them into one record batch.
+READ_BLOCK_BYTES = 16 << 20
+
+AtFilter = Literal["all", "given", "absent"]
+
+
+# -- statements (pure) -----------------------------------------------------------------------
+
+
+def stage_ddl() -> sql.Composed:
+    return sql.SQL(
+        "CREATE TEMP TABLE {} (queue text, key text, payload text, at timestamptz) ON COMMIT DROP"
+    ).format(STAGE)
+
+
+def copy_in() -> sql.Composed:
+    return sql.SQL("COPY {} (queue, key, payload, at) FROM STDIN (FORMAT csv)").format(STAGE)
+
+
+def _mode_clause(mode: OfferMode, at: AtFilter) -> sql.Composable:
+    if mode is OfferMode.SKIP:
+        return sql.SQL("DO NOTHING")
+    new_payload = sql.SQL(
+        "(t.payload_type, t.payload, t.payload_bytes) IS DISTINCT FROM "
+        "(EXCLUDED.payload_type, EXCLUDED.payload, EXCLUDED.payload_bytes)"
+    )
+    fresh = sql.SQL(
+        "payload_type = EXCLUDED.payload_type, payload = EXCLUDED.payload, payload_bytes = NULL, "
+        "status = 'pending', lock_token = NULL, attempts = 0, last_error = NULL"
+    )
+    if mode is OfferMode.REPLACE:
+        changed = new_payload
+        if at == "given":
+            # Without a time ("as soon as possible"), an identical payload is already there.
+            changed = sql.SQL(
+                "{} OR t.scheduled_at_initially IS DISTINCT FROM EXCLUDED.scheduled_at_initially"
+            ).format(new_payload)
+        return sql.SQL(
+            "DO UPDATE SET {}, scheduled_at = EXCLUDED.scheduled_at, "
+            "scheduled_at_initially = EXCLUDED.scheduled_at_initially WHERE {}"
+        ).format(fresh, changed)
+    # KEEP_SCHEDULE: a done or dead row gets the offered time, an in-flight one is due now.
+    return sql.SQL(
+        "DO UPDATE SET {}, scheduled_at = CASE WHEN t.status <> 'pending' "
+        "THEN EXCLUDED.scheduled_at WHEN t.lock_token IS NOT NULL THEN %(now)s::timestamptz "
+        "ELSE t.scheduled_at END WHERE {}"
+    ).format(fresh, new_payload)
+
+
+def upsert(table: Sequence[str], mode: OfferMode, at: AtFilter = "all") -> sql.Composed:
+    """Apply the staged rows to the table; returns one row (created, updated).
+
+    A key staged twice is applied once: SKIP keeps its first occurrence, the other modes
+    its last (``ON CONFLICT DO UPDATE`` may touch a row only once per statement).
+    ``at`` selects the staged rows with a time, without one, or all of them: REPLACE treats
+    the two differently, so it runs once for each kind present.
+
+    ``ON CONFLICT`` probes the unique index for every row, whatever the table's statistics
+    say, and its ``WHERE`` leaves identical rows alone (``IGNORED``). Rows go in sorted by
+    (queue, key) in the "C" collation, so concurrent writers lock keys in the same order.
+    """
+    order = sql.SQL("ASC" if mode is OfferMode.SKIP else "DESC")
+    at_filter = {
+        "all": sql.SQL("TRUE"),
+        "given": sql.SQL("s.at IS NOT NULL"),
+        "absent": sql.SQL("s.at IS NULL"),
+    }[at]
+    return sql.SQL(
+        'WITH s AS (SELECT DISTINCT ON (queue COLLATE "C", key COLLATE "C") queue, key, '
+        "COALESCE(payload, 'null')::jsonb AS payload, at FROM {stage} "
+        'ORDER BY queue COLLATE "C", key COLLATE "C", ctid {order}), '
+        "w AS (INSERT INTO {table} AS t (queue, key, payload_type, payload, payload_bytes, "
+        "status, scheduled_at, scheduled_at_initially, created_at, attempts) "
+        "SELECT s.queue, s.key, %(payload_type)s::text, s.payload, NULL, "
+        "'pending', COALESCE(s.at, %(now)s::timestamptz), "
+        "COALESCE(s.at, %(now)s::timestamptz), %(now)s::timestamptz, 0 FROM s "
+        "WHERE {at_filter} "
+        'ORDER BY s.queue COLLATE "C", s.key COLLATE "C" '
+        "ON CONFLICT (queue, key) {mode} "
+        "RETURNING (t.xmax = 0) AS created) "
+        "SELECT count(*) FILTER (WHERE created), count(*) FILTER (WHERE NOT created) FROM w"
+    ).format(
+        table=sql.Identifier(*table),
+        stage=STAGE,
+        order=order,
+        at_filter=at_filter,
+        mode=_mode_clause(mode, at),
+    )
+
+
+def notify(table: Sequence[str]) -> sql.Composed:
+    return sql.SQL("SELECT pg_notify({}, q) FROM unnest(%s::text[]) AS q").format(
+        sql.Literal(channel_for(table[-1]))
+    )
+
+
+# -- write ------------------------------------------------------------------------------------
+
+
+class _Slice:
+    """One transaction: a staging table filled by ``COPY``, then the upsert and the commit."""
+
+    def __init__(self, conn: Any, plan: WritePlan) -> None:
+        self.conn = conn
+        self.plan = plan
+        self.counts = Counts()
+        self.queues: set[str] = set()
+        self.with_at = self.without_at = False
+        conn.execute(stage_ddl())
+        self._copy_cm = conn.cursor().copy(copy_in())
+        self._copy = self._copy_cm.__enter__()
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        buf = io.BytesIO()
+        pcsv.write_csv(batch, buf, _CSV_OUT)
+        self._copy.write(buf.getbuffer())
+        self.counts.staged += batch.num_rows
+        at = batch.column(3)
+        self.with_at = self.with_at or at.null_count < len(at)
+        self.without_at = self.without_at or at.null_count > 0
+        if self.plan.notify:
+            self.queues.update(pc.unique(batch.column(0)).to_pylist())
+
+    def commit(self) -> Counts:
+        self._copy_cm.__exit__(None, None, None)
+        plan = self.plan
+        params = {"payload_type": plan.payload_type, "now": plan.now}
+        if plan.mode is OfferMode.REPLACE and self.with_at and self.without_at:
+            parts: list[AtFilter] = ["given", "absent"]
+        elif plan.mode is OfferMode.REPLACE and self.without_at:
+            parts = ["absent"]
+        elif plan.mode is OfferMode.REPLACE:
+            parts = ["given"]
+        else:
+            parts = ["all"]
+        if self.counts.staged:
+            for part in parts:
+                cursor = self.conn.execute(upsert(plan.table, plan.mode, part), params)
+                created, updated = cursor.fetchone()
+                self.counts.created += created
+                self.counts.updated += updated
+            if plan.notify and (self.counts.created or self.counts.updated):
+                self.conn.execute(notify(plan.table), [sorted(self.queues)])
+        self.conn.commit()
+        return self.counts
+
+
+def write_partition(
+    spec: ConnectSpec, plan: WritePlan, batches: Iterator[pa.RecordBatch], partition: int
+) -> Counts:
+    """Offer every row of one partition; one transaction, or one per ``commit_every`` rows."""
+    total = Counts()
+    with spec.pg() as conn:
+        if conn.autocommit:
+            conn.autocommit = False
+        conn.execute("SET temp_buffers = '64MB'")
+        conn.execute("SET work_mem = '64MB'")
+        conn.commit()
+        current = _Slice(conn, plan)
+        limit = plan.commit_every
+        for raw in batches:
+            batch = normalise(raw, partition)
+            offset = 0
+            while offset < batch.num_rows:
+                take = batch.num_rows - offset
+                if limit:
+                    take = min(take, limit - current.counts.staged)
+                current.write(batch.slice(offset, take))
+                offset += take
+                if limit and current.counts.staged >= limit:
+                    _commit(current, total, partition)
+                    current = _Slice(conn, plan)
+        _commit(current, total, partition)
+    return total
+
+
+def _commit(current: _Slice, total: Counts, partition: int) -> None:
+    total.add(current.commit())
+    if current.plan.after_commit is not None:
+        current.plan.after_commit(partition, total.staged)
+
+
+# -- read -------------------------------------------------------------------------------------
+
+
+def _column_expr(name: str, as_text: bool) -> sql.Composable:
+    ident = sql.Identifier(name)
+    if name == "payload":
+        return sql.SQL("{}::text").format(ident)
+    if not as_text:
+        return ident
+    if name in TIMESTAMP_COLUMNS:
+        return sql.SQL("({} AT TIME ZONE 'UTC')").format(ident)
+    if name == "payload_bytes":
+        return sql.SQL("encode({}, 'hex')").format(ident)
+    return ident
+
+
+def select_range(plan: ReadPlan, lo: int, hi: int, *, as_text: bool = False) -> sql.Composed:
+    """The rows of ids in ``[lo, hi)``, payload fields as text.
+
+    ``as_text`` shapes every value for a text ``COPY`` that Arrow parses: times as naive UTC,
+    bytes as hex.
+    """
+    exprs: list[sql.Composable] = [_column_expr(c, as_text) for c in plan.columns]
+    exprs += [sql.SQL("payload ->> {}").format(sql.Literal(f)) for f in plan.fields]
+    conds: list[sql.Composable] = [
+        sql.SQL("id >= {}").format(sql.Literal(lo)),
+        sql.SQL("id < {}").format(sql.Literal(hi)),
+    ]
+    if plan.queue is not None:
+        conds.append(sql.SQL("queue = {}").format(sql.Literal(plan.queue)))
+    conds += status_conditions(plan.dead_letters)
+    return sql.SQL("SELECT {} FROM {} WHERE {}").format(
+        sql.SQL(", ").join(exprs), sql.Identifier(*plan.table), sql.SQL(" AND ").join(conds)
+    )
+
+
+def status_conditions(dead_letters: str) -> list[sql.Composable]:
+    if dead_letters == "exclude":
+        return [sql.SQL("status <> 'dead'")]
+    if dead_letters == "only":
+        return [sql.SQL("status = 'dead'")]
+    return []
+
+
+_ARROW_IN = {"BIGINT": pa.int64(), "INT": pa.int32(), "TIMESTAMP": pa.timestamp("us")}
+_TYPES = dict(ROW_COLUMNS)
+
+
+def _csv_options(plan: ReadPlan) -> tuple[Any, Any, Any]:
+    names = [*plan.columns, *(f"\0field{i}" for i in range(len(plan.fields)))]
+    types = {n: _ARROW_IN.get(_TYPES.get(n, ""), pa.string()) for n in names}
+    read = pcsv.ReadOptions(column_names=names, block_size=READ_BLOCK_BYTES)
+    parse = pcsv.ParseOptions(newlines_in_values=True)
+    convert = pcsv.ConvertOptions(
+        column_types=types,
+        null_values=[""],
+        strings_can_be_null=True,
+        quoted_strings_can_be_null=False,
+    )
+    return read, parse, convert
+
+
+def _to_batch(table: pa.Table, schema: pa.Schema) -> pa.RecordBatch:
+    arrays = []
+    for i, field in enumerate(schema):
+        column = table.column(i).combine_chunks()
+        if pa.types.is_binary(field.type) and column.null_count < len(column):
+            column = pa.array(
+                [None if v is None else bytes.fromhex(v) for v in column.to_pylist()],
+                field.type,
+            )
+        arrays.append(column.cast(field.type))
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def read_range(
+    spec: ConnectSpec, plan: ReadPlan, lo: int, hi: int, schema: pa.Schema
+) -> Iterator[pa.RecordBatch]:
+    """Stream the rows of ids ``[lo, hi)`` as record batches of ``schema``.
+
+    With the ADBC PostgreSQL driver installed (part of the ``spark`` extra) and no connection
+    factory, libpq's binary ``COPY`` lands in Arrow without Python touching a row; otherwise a
+    text ``COPY`` through psycopg is parsed by Arrow's CSV reader.
+    """
+    if spec.factory is None and _has_adbc():
+        yield from _read_adbc(spec, select_range(plan, lo, hi), schema)
+    else:
+        yield from _read_csv(spec, plan, select_range(plan, lo, hi, as_text=True), schema)
+
+
+def _has_adbc() -> bool:
+    try:
+        import adbc_driver_postgresql.dbapi  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _read_adbc(
+    spec: ConnectSpec, query: sql.Composed, schema: pa.Schema
+) -> Iterator[pa.RecordBatch]:
+    import adbc_driver_postgresql.dbapi as adbc
+
+    with adbc.connect(spec.conninfo) as conn, conn.cursor() as cursor:
+        cursor.execute(query.as_string(None))
+        for batch in cursor.fetch_record_batch():
+            columns = [batch.column(i).cast(f.type) for i, f in enumerate(schema)]
+            yield pa.RecordBatch.from_arrays(columns, schema=schema)
+
+
+def _read_csv(
+    spec: ConnectSpec, plan: ReadPlan, query: sql.Composed, schema: pa.Schema
+) -> Iterator[pa.RecordBatch]:
+    options = _csv_options(plan)
+    with spec.pg() as conn:
+        conn.execute("SET DateStyle = 'ISO, YMD'")
+        conn.execute("SET client_encoding = 'UTF8'")
+        with conn.cursor().copy(sql.SQL("COPY ({}) TO STDOUT (FORMAT csv)").format(query)) as copy:
+            block: list[Any] = []
+            size = 0
+            for data in copy:
+                block.append(data)
+                size += len(data)
+                if size >= READ_BLOCK_BYTES:
+                    yield _parse(block, options, schema)
+                    block, size = [], 0
+            if block:
+                yield _parse(block, options, schema)
+        conn.rollback()
+
+
+def _parse(block: list[Any], options: tuple[Any, Any, Any], schema: pa.Schema) -> pa.RecordBatch:
+    read, parse, convert = options
+    table = pcsv.read_csv(
+        pa.py_buffer(b"".join(block)),
+        read_options=read,
+        parse_options=parse,
+        convert_options=convert,
+    )
+    return _to_batch(table, schema)

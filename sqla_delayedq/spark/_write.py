@@ -1,0 +1,297 @@
+"""``offer_dataframe``: enqueue a DataFrame from the executors, partition by partition.
+
+The driver checks the arguments and the column types, shapes the DataFrame into four columns
+(queue, key, payload as JSON text, due time), and runs one ``mapInArrow`` job: each task opens
+its own connection, writes its partition (``_pg`` or ``_generic``) and returns one row of counts,
+which the driver sums. Nothing secret is in what the tasks receive (see ``_common``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+from sqlalchemy.engine import URL
+
+from .._queue import check_name
+from .._time import require_aware, system_clock
+from .._types import OfferMode
+from ..errors import InvalidArgument, UnsupportedBackend
+from ..models import QUEUE_MAX
+from ..serializers import JsonSerializer
+from ._common import (
+    ConnectionFactory,
+    ConnectSpec,
+    Counts,
+    WritePlan,
+    connect_spec,
+    is_utc_zone,
+    table_parts,
+)
+
+if TYPE_CHECKING:
+    from pyspark.sql import Column, DataFrame
+
+__all__ = ["OfferCounts", "offer_dataframe"]
+
+_COUNTS_SCHEMA = "partition INT, attempt INT, staged BIGINT, created BIGINT, updated BIGINT"
+_COUNTS_ARROW = pa.schema(
+    [
+        ("partition", pa.int32()),
+        ("attempt", pa.int32()),
+        ("staged", pa.int64()),
+        ("created", pa.int64()),
+        ("updated", pa.int64()),
+    ]
+)
+_BACKENDS = ("postgresql", "mysql", "mariadb", "sqlite")
+
+
+@dataclass(frozen=True)
+class OfferCounts:
+    """What an :func:`offer_dataframe` call did, summed over the partitions.
+
+    The table is always exact; these counts are exact only when no task was retried.
+    Each partition reports what its successful attempt saw. If an earlier attempt committed
+    rows before it failed (or was lost after committing), the retry finds them already written
+    and counts them as ``ignored`` (or ``updated``) instead of ``created``. The
+    ``retried_partitions`` field says how many partitions that may concern.
+    """
+
+    created: int
+    updated: int
+    ignored: int
+    #: Partitions written (tasks that succeeded).
+    partitions: int
+    #: Partitions whose successful attempt was a retry: their counts may be approximate.
+    retried_partitions: int
+
+    @property
+    def total(self) -> int:
+        """Rows offered: ``created + updated + ignored``."""
+        return self.created + self.updated + self.ignored
+
+    @property
+    def approximate(self) -> bool:
+        """True when a retried task may have moved rows between the three counts."""
+        return self.retried_partitions > 0
+
+
+class PartitionWriter:
+    """The function each task runs (``mapInArrow``): write one partition, yield its counts."""
+
+    def __init__(self, spec: ConnectSpec, plan: WritePlan) -> None:
+        self.spec = spec
+        self.plan = plan
+
+    def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        from pyspark import TaskContext
+
+        ctx = TaskContext.get()
+        partition = ctx.partitionId() if ctx else 0
+        attempt = ctx.attemptNumber() if ctx else 0
+        first = next(batches, None)
+        if first is None:  # an empty partition opens no connection
+            counts = Counts()
+        else:
+            rest = _chain(first, batches)
+            if self.spec.is_postgresql:
+                from . import _pg
+
+                counts = _pg.write_partition(self.spec, self.plan, rest, partition)
+            else:
+                from . import _generic
+
+                counts = _generic.write_partition(self.spec, self.plan, rest, partition)
+        row = [partition, attempt, counts.staged, counts.created, counts.updated]
+        yield pa.RecordBatch.from_arrays([pa.array([v]) for v in row], schema=_COUNTS_ARROW)
+
+
+def _chain(first: pa.RecordBatch, rest: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    yield first
+    yield from rest
+
+
+def _column(df: DataFrame, name: str, what: str) -> Any:
+    if not isinstance(name, str) or name not in df.columns:
+        raise InvalidArgument(
+            f"{what} column {name!r} is not in the DataFrame (columns: {', '.join(df.columns)})"
+        )
+    return df.schema[name].dataType
+
+
+def _key_expr(df: DataFrame, key: str) -> Column:
+    from pyspark.sql import functions as F
+    from pyspark.sql import types as T
+
+    kind = _column(df, key, "key")
+    if isinstance(kind, T.StringType):
+        return F.col(key)
+    if isinstance(kind, (T.IntegerType, T.LongType, T.ShortType, T.ByteType)):
+        return F.col(key).cast("string")
+    raise InvalidArgument(
+        f"key column {key!r} is {kind.simpleString()}; use a string (or integer) column, "
+        "e.g. F.concat(F.lit('reminder/'), F.col('user_id'))"
+    )
+
+
+def _payload_expr(df: DataFrame, payload: str | None, columns: Sequence[str] | None) -> Column:
+    from pyspark.sql import functions as F
+    from pyspark.sql import types as T
+
+    if payload is not None and columns is not None:
+        raise InvalidArgument("give payload or payload_columns, not both")
+    if columns is not None:
+        if isinstance(columns, str) or not columns:
+            raise InvalidArgument("payload_columns must be a non-empty list of column names")
+        for c in columns:
+            _column(df, c, "payload")
+        return F.to_json(F.struct(*(F.col(c) for c in columns)))
+    name = "payload" if payload is None else payload
+    kind = _column(df, name, "payload")
+    if isinstance(kind, T.StringType):
+        return F.col(name)  # JSON text, checked by the database as it parses it
+    if isinstance(kind, (T.StructType, T.MapType, T.ArrayType)):
+        return F.to_json(F.col(name))
+    raise InvalidArgument(
+        f"payload column {name!r} is {kind.simpleString()}; give JSON text (string), a struct, "
+        "map or array, or name the fields with payload_columns=[...]"
+    )
+
+
+def _at_expr(df: DataFrame, at: str | None) -> Column:
+    from pyspark.sql import functions as F
+    from pyspark.sql import types as T
+
+    if at is None:
+        return F.lit(None).cast("timestamp")
+    kind = _column(df, at, "scheduled_at")
+    if isinstance(kind, T.TimestampType):
+        return F.col(at)  # an instant: exact whatever the session time zone
+    if isinstance(kind, T.TimestampNTZType):
+        zone = df.sparkSession.conf.get("spark.sql.session.timeZone") or ""
+        if not is_utc_zone(zone):
+            raise InvalidArgument(
+                f"scheduled_at column {at!r} is TIMESTAMP_NTZ (no time zone) and the session "
+                f"time zone is {zone!r}, so its instants are ambiguous; set "
+                "spark.sql.session.timeZone to UTC, or convert the column to TIMESTAMP, e.g. "
+                f"F.to_utc_timestamp(F.col({at!r}), 'Europe/Paris').cast('timestamp')"
+            )
+        return F.col(at)  # naive values, read as UTC
+    raise InvalidArgument(
+        f"scheduled_at column {at!r} is {kind.simpleString()}; it must be TIMESTAMP "
+        "(or TIMESTAMP_NTZ under a UTC session time zone); parse strings with F.to_timestamp"
+    )
+
+
+def _queue_expr(df: DataFrame, queue: str | None, queue_column: str | None) -> Column:
+    from pyspark.sql import functions as F
+    from pyspark.sql import types as T
+
+    if (queue is None) == (queue_column is None):
+        raise InvalidArgument("give exactly one of queue (a name) and queue_column")
+    if queue is not None:
+        return F.lit(check_name(queue, "queue name", QUEUE_MAX))
+    assert queue_column is not None
+    kind = _column(df, queue_column, "queue")
+    if not isinstance(kind, T.StringType):
+        raise InvalidArgument(f"queue column {queue_column!r} must be a string column")
+    return F.col(queue_column)
+
+
+def offer_dataframe(
+    df: DataFrame,
+    url: str | URL,
+    queue: str | None = None,
+    *,
+    key: str = "key",
+    payload: str | None = None,
+    payload_columns: Sequence[str] | None = None,
+    scheduled_at: str | None = None,
+    queue_column: str | None = None,
+    mode: OfferMode | str = OfferMode.REPLACE,
+    table: str = "delayed_queue",
+    schema: str | None = None,
+    payload_type: str = "json",
+    partitions: int | None = None,
+    commit_every: int | None = None,
+    connection_factory: ConnectionFactory | None = None,
+    notify: bool = True,
+    now: datetime | None = None,
+    after_commit: Callable[[int, int], None] | None = None,
+) -> OfferCounts:
+    """Offer every row of ``df`` as a message, writing from the executors.
+
+    :param url: the database (SQLAlchemy URL). Its password never leaves the driver: executors
+        take it from ``PGPASSWORD`` / ``PGPASSFILE`` / ``~/.pgpass``, or use
+        ``connection_factory``.
+    :param queue: the queue of every row; or ``queue_column`` names a string column.
+    :param key: the key column (string, or integer cast to string); null keys are refused.
+    :param payload: a column of JSON text, or a struct/map/array column (sent as JSON);
+        defaults to ``"payload"``. Or ``payload_columns``: the payload is a JSON object of
+        those columns.
+    :param scheduled_at: the due-time column (``TIMESTAMP``; ``TIMESTAMP_NTZ`` only under a
+        UTC session time zone); ``None`` or a null value means "as soon as possible".
+    :param mode: ``replace``, ``keep_schedule`` or ``skip``, as for ``DelayedQueue.offer``.
+    :param partitions: repartition by (queue, key) into this many tasks (one connection each)
+        first; otherwise the DataFrame's own partitions are written as they are.
+    :param commit_every: commit every this many rows of a partition instead of once at its end.
+    :param connection_factory: a zero-argument callable run on the executors that returns a
+        connection (psycopg 3 on PostgreSQL, a DB-API connection elsewhere).
+    :param notify: on PostgreSQL, ``NOTIFY`` the queue's workers when a partition commits.
+    :param now: the creation time (and the time of rows with no schedule); default: now.
+    :param after_commit: called on the executor after each commit with the partition number
+        and the rows that task has committed so far (for progress, or fault injection).
+
+    Safe to run again: rows already there as offered are ``ignored``. See :class:`OfferCounts`
+    for why counts are approximate after retried tasks.
+    """
+    from pyspark.sql import DataFrame
+
+    if not isinstance(df, DataFrame):
+        raise InvalidArgument(f"df must be a pyspark DataFrame, got {type(df).__name__}")
+    mode = OfferMode.parse(mode)
+    JsonSerializer(payload_type)  # validates the type name
+    if commit_every is not None and (
+        not isinstance(commit_every, int) or isinstance(commit_every, bool) or commit_every < 1
+    ):
+        raise InvalidArgument(f"commit_every must be a positive integer, got {commit_every!r}")
+    if partitions is not None and (not isinstance(partitions, int) or partitions < 1):
+        raise InvalidArgument(f"partitions must be a positive integer, got {partitions!r}")
+    spec = connect_spec(url, connection_factory)
+    if spec.backend not in _BACKENDS:
+        raise UnsupportedBackend(
+            f"the {spec.backend!r} backend is not supported; use PostgreSQL, MariaDB/MySQL "
+            "or SQLite"
+        )
+    plan = WritePlan(
+        table=table_parts(table, schema),
+        mode=mode,
+        payload_type=payload_type,
+        now=system_clock() if now is None else require_aware(now, "now"),
+        commit_every=commit_every,
+        notify=notify,
+        after_commit=after_commit,
+    )
+    prepared = df.select(
+        _queue_expr(df, queue, queue_column).alias("queue"),
+        _key_expr(df, key).alias("key"),
+        _payload_expr(df, payload, payload_columns).alias("payload"),
+        _at_expr(df, scheduled_at).alias("at"),
+    )
+    if partitions is not None:
+        prepared = prepared.repartition(partitions, "queue", "key")
+    rows = prepared.mapInArrow(PartitionWriter(spec, plan), _COUNTS_SCHEMA).collect()
+    staged = sum(r.staged for r in rows)
+    created = sum(r.created for r in rows)
+    updated = sum(r.updated for r in rows)
+    return OfferCounts(
+        created=created,
+        updated=updated,
+        ignored=staged - created - updated,
+        partitions=len(rows),
+        retried_partitions=sum(1 for r in rows if r.attempt > 0),
+    )
