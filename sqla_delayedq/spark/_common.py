@@ -118,7 +118,8 @@ class ConnectSpec:
 
 def _strip_secrets(url: URL) -> URL:
     query = {k: v for k, v in url.query.items() if k.lower() not in _SECRET_QUERY_KEYS}
-    return url.set(password=None, query=query)
+    # URL.set(password=None) means "leave it as it is": replace the field itself.
+    return url.set(query=query)._replace(password=None)
 
 
 def _conninfo(url: URL) -> str:
@@ -148,6 +149,7 @@ def connect_spec(url: str | URL, factory: ConnectionFactory | None) -> ConnectSp
         raise InvalidArgument("connection_factory must be a zero-argument callable")
     backend = parsed.get_backend_name()
     safe = _strip_secrets(parsed)
+    assert safe.password is None
     if parsed.password is not None or safe.query != parsed.query:
         log.info(
             "the password in the database URL stays on the driver; executors use %s",
