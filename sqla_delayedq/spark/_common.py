@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.compute as pc
+import pyarrow as pa  # type: ignore[import-untyped]
+import pyarrow.compute as pc  # type: ignore[import-untyped]
 from sqlalchemy.engine import URL, make_url
 
 from .._types import OfferMode
@@ -49,6 +49,11 @@ TIMESTAMP_COLUMNS = frozenset(n for n, t in ROW_COLUMNS if t == "TIMESTAMP")
 WRITE_COLUMNS = ("queue", "key", "payload", "at")
 
 ConnectionFactory = Callable[[], Any]
+
+NO_PASSWORD_HINT = (
+    "sqla_delayedq.spark never sends passwords to executors: give each executor "
+    "PGPASSWORD, PGPASSFILE or ~/.pgpass, or pass connection_factory"
+)
 
 _SECRET_QUERY_KEYS = frozenset({"password", "passfile_password", "sslpassword"})
 
@@ -90,10 +95,7 @@ class ConnectSpec:
             return psycopg.connect(self.conninfo, autocommit=False)
         except psycopg.OperationalError as exc:
             if "password" in str(exc).lower():
-                raise psycopg.OperationalError(
-                    f"{exc}\nsqla_delayedq.spark never sends passwords to executors: give each "
-                    "executor PGPASSWORD, PGPASSFILE or ~/.pgpass, or pass connection_factory"
-                ) from exc
+                raise psycopg.OperationalError(f"{exc}\n{NO_PASSWORD_HINT}") from exc
             raise
 
     @contextmanager

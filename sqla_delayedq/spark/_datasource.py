@@ -31,7 +31,7 @@ class ReadTask:
     def encode(self) -> str:
         from pyspark import cloudpickle
 
-        return base64.b64encode(cloudpickle.dumps(self)).decode("ascii")
+        return base64.b64encode(cloudpickle.dumps(self)).decode("ascii")  # type: ignore[no-untyped-call]
 
     @staticmethod
     def decode(text: str) -> ReadTask:
@@ -42,7 +42,7 @@ class ReadTask:
         return task
 
 
-class IdRange(InputPartition):  # type: ignore[misc]
+class IdRange(InputPartition):
     """Ids ``lo <= id < hi`` of the message table."""
 
     def __init__(self, lo: int, hi: int) -> None:
@@ -51,7 +51,7 @@ class IdRange(InputPartition):  # type: ignore[misc]
         self.hi = hi
 
 
-class QueueDataSource(DataSource):  # type: ignore[misc]
+class QueueDataSource(DataSource):
     """``spark.read.format("sqla_delayedq")``; build it with ``read_queue``, not by hand."""
 
     @classmethod
@@ -71,7 +71,7 @@ class QueueDataSource(DataSource):  # type: ignore[misc]
         return QueueReader(self._task(), schema)
 
 
-class QueueReader(DataSourceReader):  # type: ignore[misc]
+class QueueReader(DataSourceReader):
     def __init__(self, task: ReadTask, schema: StructType) -> None:
         self.task = task
         self.struct = schema

@@ -13,7 +13,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-import pyarrow as pa
+import pyarrow as pa  # type: ignore[import-untyped]
 from sqlalchemy import MetaData, Table, select
 from sqlalchemy.orm import DeclarativeBase, Session
 

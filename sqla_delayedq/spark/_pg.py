@@ -19,14 +19,15 @@ import io
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
-import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.csv as pcsv
+import pyarrow as pa  # type: ignore[import-untyped]
+import pyarrow.compute as pc  # type: ignore[import-untyped]
+import pyarrow.csv as pcsv  # type: ignore[import-untyped]
 from psycopg import sql
 
 from .._types import OfferMode
 from .._wakeup import channel_for
 from ._common import (
+    NO_PASSWORD_HINT,
     ROW_COLUMNS,
     TIMESTAMP_COLUMNS,
     ConnectSpec,
@@ -71,7 +72,7 @@ def _mode_clause(mode: OfferMode, at: AtFilter) -> sql.Composable:
         "status = 'pending', lock_token = NULL, attempts = 0, last_error = NULL"
     )
     if mode is OfferMode.REPLACE:
-        changed = new_payload
+        changed: sql.Composable = new_payload
         if at == "given":
             # Without a time ("as soon as possible"), an identical payload is already there.
             changed = sql.SQL(
@@ -246,15 +247,21 @@ def select_range(plan: ReadPlan, lo: int, hi: int, *, as_text: bool = False) -> 
     """
     exprs: list[sql.Composable] = [_column_expr(c, as_text) for c in plan.columns]
     exprs += [sql.SQL("payload ->> {}").format(sql.Literal(f)) for f in plan.fields]
-    conds: list[sql.Composable] = [
-        sql.SQL("id >= {}").format(sql.Literal(lo)),
-        sql.SQL("id < {}").format(sql.Literal(hi)),
-    ]
+    conds: list[sql.Composable] = [sql.SQL("TRUE")]
     if plan.queue is not None:
         conds.append(sql.SQL("queue = {}").format(sql.Literal(plan.queue)))
     conds += status_conditions(plan.dead_letters)
-    return sql.SQL("SELECT {} FROM {} WHERE {}").format(
-        sql.SQL(", ").join(exprs), sql.Identifier(*plan.table), sql.SQL(" AND ").join(conds)
+    # OFFSET 0 fences the id range into its own scan (primary key or heap order): otherwise a
+    # table without statistics invites the (queue, scheduled_at, id) index, which would walk
+    # the whole queue in due order and fetch the heap at random for every range.
+    return sql.SQL(
+        "SELECT {} FROM (SELECT * FROM {} WHERE id >= {} AND id < {} OFFSET 0) AS m WHERE {}"
+    ).format(
+        sql.SQL(", ").join(exprs),
+        sql.Identifier(*plan.table),
+        sql.Literal(lo),
+        sql.Literal(hi),
+        sql.SQL(" AND ").join(conds),
     )
 
 
@@ -314,7 +321,7 @@ def read_range(
 
 def _has_adbc() -> bool:
     try:
-        import adbc_driver_postgresql.dbapi  # noqa: F401
+        import adbc_driver_postgresql.dbapi  # type: ignore[import-untyped]  # noqa: F401
     except ImportError:
         return False
     return True
@@ -323,9 +330,15 @@ def _has_adbc() -> bool:
 def _read_adbc(
     spec: ConnectSpec, query: sql.Composed, schema: pa.Schema
 ) -> Iterator[pa.RecordBatch]:
-    import adbc_driver_postgresql.dbapi as adbc
+    import adbc_driver_postgresql.dbapi as adbc  # type: ignore[import-untyped,unused-ignore]
 
-    with adbc.connect(spec.conninfo) as conn, conn.cursor() as cursor:
+    try:
+        conn = adbc.connect(spec.conninfo)
+    except adbc.Error as exc:
+        if "password" in str(exc).lower():
+            raise adbc.OperationalError(f"{exc}\n{NO_PASSWORD_HINT}") from exc
+        raise
+    with conn, conn.cursor() as cursor:
         cursor.execute(query.as_string(None))
         for batch in cursor.fetch_record_batch():
             columns = [batch.column(i).cast(f.type) for i, f in enumerate(schema)]

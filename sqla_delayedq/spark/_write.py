@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-import pyarrow as pa
+import pyarrow as pa  # type: ignore[import-untyped]
 from sqlalchemy.engine import URL
 
 from .._queue import check_name
