@@ -16,6 +16,7 @@ end. SQLite uses a file in a temporary directory.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import secrets
@@ -268,3 +269,58 @@ def fresh_database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[t
         yield request.param, url
     finally:
         drop_database(request.param, url)
+
+
+#: The conformance suites also run on PostgreSQL through psycopg's async driver.
+ASYNC_PG = "postgresql-async"
+
+
+@pytest.fixture(params=(*BACKENDS, ASYNC_PG))
+def conformance_backend(
+    request: pytest.FixtureRequest,
+    _backend_databases: dict[str, Backend],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Backend]:
+    """Each backend, plus PostgreSQL behind an async engine (``postgresql-async``).
+
+    For the async variant the test body runs inside a greenlet on an event loop (see
+    :func:`pytest_pyfunc_call`), which is how ``AsyncSession.run_sync`` runs the queue's
+    operations: every statement travels through psycopg's ``AsyncConnection``.
+    """
+    if request.param != ASYNC_PG:
+        b = _session_backend(request.param, _backend_databases, tmp_path_factory)
+        _clean(b)
+        yield b
+        _clean(b)
+        return
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    sync = _session_backend("postgresql", _backend_databases, tmp_path_factory)
+    _clean(sync)
+    # No pool: each test's event loop must not inherit connections from another loop.
+    async_engine = create_async_engine(
+        sync.url.set(drivername="postgresql+psycopg"), poolclass=sa.NullPool
+    )
+    engine = async_engine.sync_engine
+    try:
+        yield Backend(ASYNC_PG, sync.url, engine, sessionmaker(engine))
+    finally:
+        _clean(sync)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    """Run ``postgresql-async`` conformance tests in a greenlet on an asyncio event loop."""
+    callspec = getattr(pyfuncitem, "callspec", None)
+    if callspec is None or callspec.params.get("conformance_backend") != ASYNC_PG:
+        return None
+    from sqlalchemy.util import greenlet_spawn
+
+    names = pyfuncitem._fixtureinfo.argnames
+    kwargs = {name: pyfuncitem.funcargs[name] for name in names}
+
+    async def main() -> None:
+        await greenlet_spawn(pyfuncitem.obj, **kwargs)
+
+    asyncio.run(main())
+    return True

@@ -23,6 +23,12 @@ from tests.fix_queue import record_sql
 T = DelayedMessage.__table__
 
 
+@pytest.fixture
+def backend(conformance_backend):
+    """SQLite, PostgreSQL, MariaDB, and PostgreSQL through psycopg's async driver."""
+    return conformance_backend
+
+
 def rows(backend) -> int:
     with backend.engine.connect() as conn:
         return conn.execute(sa.select(sa.func.count()).select_from(T)).scalar_one()

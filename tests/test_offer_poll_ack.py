@@ -25,6 +25,12 @@ from tests.fix_queue import record_sql
 T = DelayedMessage.__table__
 
 
+@pytest.fixture
+def backend(conformance_backend):
+    """SQLite, PostgreSQL, MariaDB, and PostgreSQL through psycopg's async driver."""
+    return conformance_backend
+
+
 def row_count(backend, queue: str | None = None) -> int:
     with backend.engine.connect() as conn:
         stmt = sa.select(sa.func.count()).select_from(T)
