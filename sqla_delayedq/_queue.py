@@ -130,6 +130,7 @@ class DelayedQueue(AdminMixin, Generic[T]):
         self.clock = clock
         self.notify = notify
         self._statements: dict[tuple[type[Strategy], str], Any] = {}
+        self._settles: dict[st.SettleName, Any] = {}
 
     def __repr__(self) -> str:
         return f"DelayedQueue({self.name!r}, table={self.table.name!r})"
@@ -269,6 +270,17 @@ class DelayedQueue(AdminMixin, Generic[T]):
                 stmt = select(ins.c.id, func.pg_notify(channel, literal(self.name)))
             self._statements[key] = stmt
         return stmt
+
+    def _settle(
+        self, session: Session, name: st.SettleName, envelope_id: int, token: str, **params: Any
+    ) -> bool:
+        """Run a settle statement (see :func:`_statements.settle`); True when it matched."""
+        stmt = self._settles.get(name)
+        if stmt is None:
+            stmt = self._settles[name] = st.settle(self.table, name)
+        params["s_id"] = envelope_id
+        params["s_token"] = token
+        return st.affected(session, stmt, params) == 1
 
     def _insert_one(self, session: Session, strategy: Strategy, row: dict[str, Any]) -> bool:
         if (
@@ -527,15 +539,9 @@ class DelayedQueue(AdminMixin, Generic[T]):
     def _bury(
         self, session: Session, row_id: int, token: str, attempts: int, error: str, now: datetime
     ) -> bool:
-        stmt = st.update_by_token(self.table, row_id, token).values(
-            status="dead",
-            scheduled_at=None,
-            lock_token=None,
-            attempts=attempts,
-            last_error=error,
-            last_attempt_at=now,
+        return self._settle(
+            session, "bury", row_id, token, s_attempts=attempts, s_error=error, s_now=now
         )
-        return st.affected(session, stmt) == 1
 
     # -- settle --------------------------------------------------------------------------
 
@@ -545,14 +551,9 @@ class DelayedQueue(AdminMixin, Generic[T]):
         Guarded by the lock token: if the lease ran out and another consumer took the message,
         or an offer updated it, nothing happens and False is returned. A second ack is harmless.
         """
-        t = self.table
         if self.retention is None:
-            stmt: Any = st.delete_by_token(t, envelope.id, envelope.lock_token)
-        else:
-            stmt = st.update_by_token(t, envelope.id, envelope.lock_token).values(
-                status="done", scheduled_at=None, lock_token=None, last_attempt_at=self.now()
-            )
-        return st.affected(session, stmt) == 1
+            return self._settle(session, "ack", envelope.id, envelope.lock_token)
+        return self._settle(session, "done", envelope.id, envelope.lock_token, s_now=self.now())
 
     def ack_many(self, session: Session, envelopes: Sequence[Envelope[Any]]) -> int:
         """Acknowledge a batch in one statement; returns how many still held their lease."""
@@ -585,24 +586,23 @@ class DelayedQueue(AdminMixin, Generic[T]):
         when = (
             require_aware(at, "at") if at is not None else now + self.retry_policy.delay(attempts)
         )
-        stmt = st.update_by_token(self.table, envelope.id, envelope.lock_token).values(
-            scheduled_at=when,
-            lock_token=None,
-            attempts=attempts,
-            last_error=text,
-            last_attempt_at=now,
+        updated = self._settle(
+            session,
+            "nack",
+            envelope.id,
+            envelope.lock_token,
+            s_at=when,
+            s_attempts=attempts,
+            s_error=text,
+            s_now=now,
         )
-        updated = st.affected(session, stmt) == 1
         return NackOutcome.RETRY_SCHEDULED if updated else NackOutcome.STALE
 
     retry = nack
 
     def release(self, session: Session, envelope: Envelope[Any]) -> bool:
         """Give a taken message back, due now, without counting an attempt."""
-        stmt = st.update_by_token(self.table, envelope.id, envelope.lock_token).values(
-            scheduled_at=self.now(), lock_token=None
-        )
-        return st.affected(session, stmt) == 1
+        return self._settle(session, "release", envelope.id, envelope.lock_token, s_at=self.now())
 
     def extend(
         self, session: Session, envelope: Envelope[T], lease: timedelta | None = None
@@ -610,9 +610,6 @@ class DelayedQueue(AdminMixin, Generic[T]):
         """Lengthen a lease to ``now + lease``; None when the lease was already lost."""
         lease = self.lease if lease is None else require_duration(lease, "lease")
         until = self.now() + lease
-        stmt = st.update_by_token(self.table, envelope.id, envelope.lock_token).values(
-            scheduled_at=until
-        )
-        if st.affected(session, stmt) != 1:
+        if not self._settle(session, "extend", envelope.id, envelope.lock_token, s_at=until):
             return None
         return replace(envelope, lease_until=until)

@@ -287,16 +287,46 @@ def guarded_update(
     )
 
 
-def by_token(t: Table, row_id: int, token: str) -> ColumnElement[bool]:
-    return and_(t.c.id == row_id, t.c.lock_token == token)
+#: The statements behind ack, nack, release, extend and a burial, by name.
+SettleName = Literal["ack", "done", "nack", "bury", "release", "extend"]
 
 
-def delete_by_token(t: Table, row_id: int, token: str) -> Delete:
-    return delete(t).where(by_token(t, row_id, token))
+def settle(t: Table, name: SettleName) -> Delete | Update:
+    """A settle statement guarded by (id, lock token), built once per table.
 
-
-def update_by_token(t: Table, row_id: int, token: str) -> Update:
-    return update(t).where(by_token(t, row_id, token))
+    Named parameters: ``s_id`` and ``s_token`` always; ``s_at`` (the new due time) for nack,
+    release and extend; ``s_now`` for done, nack and bury; ``s_attempts`` and ``s_error`` for
+    nack and bury. Building it once spares each call the construction and cache-key walk.
+    """
+    c = t.c
+    guard = and_(
+        c.id == bindparam("s_id", type_=c.id.type),
+        c.lock_token == bindparam("s_token", type_=c.lock_token.type),
+    )
+    if name == "ack":
+        return delete(t).where(guard)
+    at = bindparam("s_at", type_=c.scheduled_at.type)
+    now = bindparam("s_now", type_=c.scheduled_at.type)
+    failure = {
+        "attempts": bindparam("s_attempts", type_=c.attempts.type),
+        "last_error": bindparam("s_error", type_=c.last_error.type),
+        "last_attempt_at": now,
+    }
+    values: dict[str, Any]
+    if name == "done":
+        values = {"status": "done", "scheduled_at": None, "lock_token": None}
+        values["last_attempt_at"] = now
+    elif name == "nack":
+        values = {"scheduled_at": at, "lock_token": None, **failure}
+    elif name == "bury":
+        values = {"status": "dead", "scheduled_at": None, "lock_token": None, **failure}
+    elif name == "release":
+        values = {"scheduled_at": at, "lock_token": None}
+    elif name == "extend":
+        values = {"scheduled_at": at}
+    else:
+        raise ValueError(f"unknown settle statement {name!r}")
+    return update(t).where(guard).values(values)
 
 
 def count_by_state(t: Table, queue: str, now: datetime) -> Select[Any]:
