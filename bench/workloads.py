@@ -1,8 +1,18 @@
-"""The workloads, each twice: sqla_delayedq through its public API, and a hand-written baseline.
+"""The workloads, each three times: sqla_delayedq through its public API, a hand-written baseline,
+and a hand-written "same contract" reference.
 
 The baseline is plain psycopg 3 with the best plain-SQL technique for each workload: autocommit
 single-statement inserts (E1), ``COPY`` (E2), single-statement ``DELETE ... RETURNING`` takes
 with ``SKIP LOCKED`` (C1, C2), ``LISTEN``/``NOTIFY`` (L1).
+
+The reference is plain psycopg 3 too, held to what sqla_delayedq promises, with nothing else:
+an offer joins a transaction the caller commits (E1: ``BEGIN``, insert, ``COMMIT``); a batch
+offer is idempotent and reports each message's outcome (E2: one ``INSERT ... SELECT ... ON
+CONFLICT DO NOTHING RETURNING`` per batch); a transactional take keeps the handler's writes in
+a savepoint so a failure can be recorded in the same transaction (C1: ``BEGIN``, take,
+``SAVEPOINT``, ``RELEASE``, ``COMMIT``); a lease-mode batch is taken and committed before the
+handler runs and acknowledged by lock token after it (C2). It shows how much of each gap to the
+baseline is the contract's round trips rather than this library's code.
 """
 
 from __future__ import annotations
@@ -11,7 +21,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from sqlalchemy.engine import URL
@@ -194,15 +204,7 @@ def _base_drain(url: URL, backend: str, n: int, consumers: int, batch: int) -> M
                 with lock:
                     counts.append(len(rows))
 
-    with Meter(backend) as m:
-        threads = [threading.Thread(target=consume) for _ in range(consumers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    if sum(counts) != n:
-        raise RuntimeError(f"baseline drained {sum(counts)} of {n}")
-    return m.result(n)
+    return _run_consumers(url, backend, n, consumers, consume, counts)
 
 
 def base_c1(url: URL, backend: str, n: int, consumers: int = 4) -> Measure:
@@ -304,6 +306,149 @@ def base_l1(url: URL, backend: str, n: int, rate: float = 200.0) -> Measure:
     return m.result(n, **_percentiles([started[i] - committed[i] for i in range(n)]))
 
 
+# -- the same-contract reference ---------------------------------------------------------------
+
+INSERT_ONE = (
+    "INSERT INTO delayed_queue (queue, key, payload_type, payload, status, scheduled_at,"
+    " scheduled_at_initially, created_at, attempts) VALUES (%s, %s, 'json', %s, 'pending',"
+    " %s, %s, %s, 0) ON CONFLICT (queue, key) DO NOTHING RETURNING id"
+)
+
+
+def contract_e1(url: URL, backend: str, n: int) -> Measure:
+    """An offer inside a transaction of its own: ``BEGIN``, insert, ``COMMIT``."""
+    import psycopg
+    from psycopg.types.json import Jsonb
+
+    with psycopg.connect(_libpq(url)) as conn:
+        now = datetime.now(timezone.utc)
+        with conn.transaction():
+            conn.execute(INSERT_ONE, (QUEUE, "warm-up", Jsonb(payload(-1)), now, now, now))
+        with Meter(backend) as m:
+            for i in range(n):
+                now = datetime.now(timezone.utc)
+                with conn.transaction():
+                    conn.execute(INSERT_ONE, (QUEUE, f"e1-{i}", Jsonb(payload(i)), now, now, now))
+    return m.result(n)
+
+
+INSERT_MANY = (
+    "INSERT INTO delayed_queue (queue, key, payload_type, payload, status, scheduled_at,"
+    " scheduled_at_initially, created_at, attempts)"
+    " SELECT %s, r.k, 'json', r.p, 'pending', %s, %s, %s, 0"
+    " FROM jsonb_to_recordset(%s::jsonb) AS r(k text, p jsonb) ORDER BY r.k"
+    " ON CONFLICT (queue, key) DO NOTHING RETURNING key"
+)
+
+
+def contract_e2(url: URL, backend: str, n: int, batch: int = 1000) -> Measure:
+    """An idempotent batch that says which keys it wrote: one insert-select per batch."""
+    import json
+
+    import psycopg
+
+    with psycopg.connect(_libpq(url)) as conn, Meter(backend) as m:
+        for start in range(0, n, batch):
+            now = datetime.now(timezone.utc)
+            doc = json.dumps(
+                [{"k": f"e2-{i}", "p": payload(i)} for i in range(start, start + batch)]
+            )
+            with conn.transaction():
+                written = conn.execute(INSERT_MANY, (QUEUE, now, now, now, doc)).fetchall()
+            if len(written) != batch:
+                raise RuntimeError(f"wrote {len(written)} of {batch}")
+    return m.result(n)
+
+
+def contract_c1(url: URL, backend: str, n: int, consumers: int = 4) -> Measure:
+    """Transactional mode: take, savepoint around the handler, commit, per message."""
+    import psycopg
+
+    _fill(url, n)
+    counts: list[int] = []
+    lock = threading.Lock()
+
+    def consume() -> None:
+        with psycopg.connect(_libpq(url)) as conn:
+            while True:
+                with conn.transaction():
+                    rows = conn.execute(
+                        BASE_TAKE, (QUEUE, datetime.now(timezone.utc), 1)
+                    ).fetchall()
+                    if rows:
+                        with conn.transaction():  # SAVEPOINT ... RELEASE around the handler
+                            pass
+                if not rows:
+                    return
+                with lock:
+                    counts.append(len(rows))
+
+    return _run_consumers(url, backend, n, consumers, consume, counts)
+
+
+LEASE_TAKE = (
+    "UPDATE delayed_queue SET scheduled_at = %s, lock_token = %s || id::text"
+    " WHERE id = ANY(ARRAY(SELECT id FROM delayed_queue WHERE queue = %s AND scheduled_at <= %s"
+    " ORDER BY scheduled_at, id LIMIT %s FOR UPDATE SKIP LOCKED)) RETURNING id, lock_token, payload"
+)
+LEASE_ACK = "DELETE FROM delayed_queue WHERE id = ANY(%s) AND lock_token = ANY(%s)"
+
+
+def contract_c2(url: URL, backend: str, n: int, consumers: int = 4, batch: int = 100) -> Measure:
+    """Lease mode in batches: take and commit, handle, acknowledge by lock token and commit."""
+    import secrets
+
+    import psycopg
+
+    _fill(url, n)
+    counts: list[int] = []
+    lock = threading.Lock()
+
+    def consume() -> None:
+        with psycopg.connect(_libpq(url)) as conn:
+            while True:
+                now = datetime.now(timezone.utc)
+                with conn.transaction():
+                    rows = conn.execute(
+                        LEASE_TAKE,
+                        (
+                            now + timedelta(minutes=5),
+                            secrets.token_hex(12) + ".",
+                            QUEUE,
+                            now,
+                            batch,
+                        ),
+                    ).fetchall()
+                if not rows:
+                    return
+                with conn.transaction():
+                    conn.execute(LEASE_ACK, ([r[0] for r in rows], [r[1] for r in rows]))
+                with lock:
+                    counts.append(len(rows))
+
+    return _run_consumers(url, backend, n, consumers, consume, counts)
+
+
+def _run_consumers(
+    url: URL,
+    backend: str,
+    n: int,
+    consumers: int,
+    consume: Callable[[], None],
+    counts: list[int],
+) -> Measure:
+    with Meter(backend) as m:
+        threads = [threading.Thread(target=consume) for _ in range(consumers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    if sum(counts) != n:
+        raise RuntimeError(f"drained {sum(counts)} of {n}")
+    return m.result(n)
+
+
+CONTRACT = {"E1": contract_e1, "E2": contract_e2, "C1": contract_c1, "C2": contract_c2}
 OURS = {"E1": ours_e1, "E2": ours_e2, "C1": ours_c1, "C2": ours_c2, "L1": ours_l1}
 BASE = {"E1": base_e1, "E2": base_e2, "C1": base_c1, "C2": base_c2, "L1": base_l1}
 SIZES = {"E1": 5_000, "E2": 100_000, "C1": 20_000, "C2": 100_000, "L1": 2_000}
