@@ -31,7 +31,9 @@ See ``docs/entity-queues.md`` for a worked example.
 
 from __future__ import annotations
 
+import random
 import secrets
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
@@ -46,7 +48,7 @@ from sqlalchemy.orm.attributes import set_committed_value
 from sqlalchemy.sql import ColumnElement, Delete, Select, Update
 
 from . import _statements as st
-from ._dialects import Strategy, strategy_for
+from ._dialects import Strategy, is_transient, strategy_for
 from ._queue import error_text
 from ._time import Clock, DateTimeUTC, require_aware, require_duration, system_clock
 from ._types import Delivery, NackOutcome
@@ -74,6 +76,18 @@ class EntityStatus:
     SUCCEEDED: Final = "succeeded"
     FAILED: Final = "failed"
     ALL: Final = (NEW, SUCCEEDED, FAILED)
+
+
+#: How many times :meth:`EntityQueue.process_due` takes again after a transient error.
+TAKE_ATTEMPTS: Final = 5
+
+
+class _TakeFailed(Exception):
+    """The take of a ``process_due`` pass failed: nothing was changed and no handler ran."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class EntityQueueMixin:
@@ -614,10 +628,33 @@ class EntityQueue(Generic[M]):
         Lease mode (``transactional=False``): the take commits at once; each handler then runs
         outside any transaction on the entity loaded into a session of its own, and its changes
         commit together with the success mark. A crash means redelivery after the lease.
+
+        A take that fails with a transient error (a deadlock, a lost connection) has changed
+        nothing and run no handler, so it is tried again, up to ``TAKE_ATTEMPTS`` times.
         """
+        for attempt in range(1, TAKE_ATTEMPTS + 1):
+            try:
+                return self._process_due_once(sessions, handler, limit, transactional)
+            except _TakeFailed as failed:
+                if attempt == TAKE_ATTEMPTS or not is_transient(failed.error):
+                    raise failed.error from None
+                # A take that lost a deadlock (InnoDB's SKIP LOCKED on a secondary index can)
+                # changed nothing and ran no handler: take again after a short, random pause.
+                time.sleep(random.uniform(0, 0.01 * 2**attempt))
+        raise AssertionError("unreachable")
+
+    def _take(self, session: Session, limit: int) -> list[EntityLease[M]]:
+        try:
+            return self.try_take(session, limit)
+        except Exception as exc:
+            raise _TakeFailed(exc) from exc
+
+    def _process_due_once(
+        self, sessions: sessionmaker[Session], handler: Handler[M], limit: int, transactional: bool
+    ) -> int:
         if transactional:
             with sessions() as session, session.begin():
-                leases = self.try_take(session, limit)
+                leases = self._take(session, limit)
                 for lease in leases:
                     savepoint = session.begin_nested()
                     try:
@@ -633,7 +670,7 @@ class EntityQueue(Generic[M]):
                         savepoint.rollback()
             return len(leases)
         with sessions() as session, session.begin():
-            leases = self.try_take(session, limit)
+            leases = self._take(session, limit)
         for lease in leases:
             self._process_leased(sessions, handler, lease)
         return len(leases)

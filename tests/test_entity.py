@@ -34,6 +34,7 @@ from sqla_delayedq import (
 )
 from sqla_delayedq._dialects import strategy_for
 from sqla_delayedq.entity import (
+    TAKE_ATTEMPTS,
     EntityCounts,
     EntityLease,
     EntityQueue,
@@ -583,6 +584,61 @@ def test_process_due_commits_success_with_the_handlers_changes_and_rolls_back_fa
         for order in orders.values():
             assert (order.charge_count, order.queue_status) == (1, "succeeded")
             assert order.payment_ref == f"pay-{order.id}"
+
+
+def _deadlock() -> sa.exc.OperationalError:
+    import pymysql
+
+    return sa.exc.OperationalError(
+        "SELECT ... FOR UPDATE SKIP LOCKED", {}, pymysql.err.OperationalError(1213, "Deadlock")
+    )
+
+
+@pytest.mark.parametrize("transactional", [True, False], ids=["transactional", "lease"])
+def test_process_due_takes_again_after_a_deadlocked_take(
+    db: Backend, queue: EntityQueue[Order], transactional: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    [order_id] = add_orders(db.Session, 1)
+    with db.Session() as s, s.begin():
+        queue.schedule(s, true())
+    real_take = EntityQueue.try_take
+    takes: list[int] = []
+
+    def flaky_take(self: EntityQueue[Order], session: Session, n: int = 1, **kw: Any) -> Any:
+        takes.append(n)
+        if len(takes) <= 2:
+            raise _deadlock()
+        return real_take(self, session, n, **kw)
+
+    monkeypatch.setattr(EntityQueue, "try_take", flaky_take)
+    handled: list[int] = []
+    assert (
+        queue.process_due(db.Session, lambda o: handled.append(o.id), transactional=transactional)
+        == 1
+    )
+    assert (handled, len(takes)) == ([order_id], 3)
+
+
+def test_process_due_gives_up_on_lasting_or_non_transient_take_errors(
+    db: Backend, queue: EntityQueue[Order], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    add_orders(db.Session, 1)
+    errors = [_deadlock(), ValueError("a bug")]
+    takes: list[int] = []
+
+    def failing_take(self: EntityQueue[Order], session: Session, n: int = 1, **kw: Any) -> Any:
+        takes.append(n)
+        raise errors[0]
+
+    monkeypatch.setattr(EntityQueue, "try_take", failing_take)
+    with pytest.raises(sa.exc.OperationalError):
+        queue.process_due(db.Session, lambda o: None)
+    assert len(takes) == TAKE_ATTEMPTS
+    errors.pop(0)
+    takes.clear()
+    with pytest.raises(ValueError, match="a bug"):
+        queue.process_due(db.Session, lambda o: None)
+    assert len(takes) == 1
 
 
 # -- statements and plans --------------------------------------------------------------------
