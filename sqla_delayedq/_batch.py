@@ -16,11 +16,12 @@ between the read and the insert goes through the single-offer path, one key at a
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from itertools import islice
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sqlalchemy import bindparam, delete, update
 from sqlalchemy.orm import Session
@@ -39,11 +40,37 @@ PARAMS_PER_ROW = 12
 MAX_CHUNK = 1000
 
 
-class _Item:
-    __slots__ = ("at", "index", "key", "values")
+class NewRow(NamedTuple):
+    """A row a batch inserts: the payload as JSON text or bytes; ``at`` None means now."""
 
-    def __init__(self, index: int, key: str, values: dict[str, Any], at: datetime | None) -> None:
-        self.index, self.key, self.values, self.at = index, key, values, at
+    key: str
+    text: str | None
+    raw: bytes | None
+    at: datetime | None
+    at0: datetime | None
+
+
+class _Item:
+    """One message of a batch, serialized once; its row values are decoded only if needed."""
+
+    __slots__ = ("_q", "_values", "at", "index", "key", "stored")
+
+    def __init__(
+        self, q: DelayedQueue[Any], index: int, key: str, stored: str | bytes, at: datetime | None
+    ) -> None:
+        self._q, self.index, self.key, self.stored, self.at = q, index, key, stored, at
+        self._values: dict[str, Any] | None = None
+
+    @property
+    def values(self) -> dict[str, Any]:
+        if self._values is None:
+            self._values = self._q._stored(self.stored)
+        return self._values
+
+    def new_row(self) -> NewRow:
+        if isinstance(self.stored, str):
+            return NewRow(self.key, self.stored, None, self.at, None)
+        return NewRow(self.key, None, self.stored, self.at, None)
 
 
 def _batched(items: Sequence[str], size: int) -> Iterable[list[str]]:
@@ -65,7 +92,7 @@ def _validate(q: DelayedQueue[Any], messages: Iterable[OfferInput], now: datetim
             )
         at_arg = message[2] if len(message) == 3 else None
         at = None if at_arg is None else require_aware(at_arg, f"messages[{i}] at")
-        items.append(_Item(i, q._key(message[0]), q._encode(message[1]), at))
+        items.append(_Item(q, i, q._key(message[0]), q._serialize(message[1]), at))
     return items
 
 
@@ -117,12 +144,20 @@ def _fold(
     return state, changes, outcomes
 
 
-def _insert_row(q: DelayedQueue[Any], key: str, state: Any, now: datetime) -> dict[str, Any]:
-    return {c: getattr(state, c) for c in q._new_row(key, {}, now, now)} | {
-        "payload_type": state.payload_type,
-        "payload": state.payload,
-        "payload_bytes": state.payload_bytes,
-    }
+def _insert_row(key: str, state: Any) -> NewRow:
+    """The row to insert for a key whose offers were folded into ``state``."""
+    text = None if state.payload is None else json.dumps(state.payload)
+    return NewRow(key, text, state.payload_bytes, state.scheduled_at, state.scheduled_at_initially)
+
+
+def _plan_new(
+    q: DelayedQueue[Any], key: str, items: list[_Item], mode: OfferMode, now: datetime
+) -> tuple[NewRow, list[tuple[int, Outcome]]]:
+    """The row and outcomes of a key that does not exist yet."""
+    if len(items) == 1:  # the common case: no folding, the payload stays as serialized
+        return items[0].new_row(), [(items[0].index, Outcome.CREATED)]
+    state, _, outcomes = _fold(q, key, items, None, mode, now)
+    return _insert_row(key, state), outcomes
 
 
 def _offer_chunk(
@@ -139,12 +174,12 @@ def _offer_chunk(
     if strategy.batch_insert_first:
         # Optimistic: most batches are new keys. Insert every key as if absent; read back only
         # the keys that were not written (they exist, or a concurrent transaction got there).
-        plans = {key: _fold(q, key, by_key[key], None, mode, now) for key in keys}
+        plans = {key: _plan_new(q, key, by_key[key], mode, now) for key in keys}
         written = _insert_chunk(
-            session, strategy, t, {k: _insert_row(q, k, p[0], now) for k, p in plans.items()}
+            q, session, strategy, now, {k: plan[0] for k, plan in plans.items()}
         )
         for key in written:
-            for index, outcome in plans[key][2]:
+            for index, outcome in plans[key][1]:
                 outcomes[index] = outcome
         keys = [k for k in keys if k not in written]
         if not keys:
@@ -157,7 +192,7 @@ def _offer_chunk(
 
     lock = None if mode is OfferMode.SKIP else strategy.batch_lock
     existing = {r.key: r for r in session.execute(st.select_by_keys(t, q.name, keys, lock))}
-    inserts: dict[str, dict[str, Any]] = {}
+    inserts: dict[str, NewRow] = {}
     updates: list[tuple[Any, dict[str, Any]]] = []
     for key in keys:
         row = existing.get(key)
@@ -165,10 +200,10 @@ def _offer_chunk(
         for index, outcome in folded:
             outcomes[index] = outcome
         if row is None:
-            inserts[key] = _insert_row(q, key, state, now)
+            inserts[key] = _insert_row(key, state)
         elif changes:
             updates.append((row, changes))
-    written = _insert_chunk(session, strategy, t, inserts) if inserts else set()
+    written = _insert_chunk(q, session, strategy, now, inserts) if inserts else set()
     if updates:
         _update_chunk(session, t, updates)
     for key in inserts:
@@ -188,15 +223,20 @@ def _as_dict(state: Any) -> dict[str, Any]:
 
 
 def _insert_chunk(
-    session: Session, strategy: Strategy, t: Any, inserts: dict[str, dict[str, Any]]
+    q: DelayedQueue[Any],
+    session: Session,
+    strategy: Strategy,
+    now: datetime,
+    inserts: dict[str, NewRow],
 ) -> set[str]:
     """Insert rows for absent keys, in key order; return the keys actually written."""
     rows = [inserts[k] for k in sorted(inserts)]
+    t, queue, type_name = q.table, q.name, q.serializer.type_name
     if strategy.insert_returning:
-        return strategy.insert_rows(session, t, rows) or set()
+        return strategy.insert_rows(session, t, queue, type_name, now, rows) or set()
     # No RETURNING (MySQL): all-or-nothing per chunk inside a savepoint.
     savepoint = session.begin_nested()
-    written = strategy.insert_rows(session, t, rows)
+    written = strategy.insert_rows(session, t, queue, type_name, now, rows)
     if written is None:
         savepoint.rollback()  # cannot tell which rows were ours: the caller redoes them singly
         return set()

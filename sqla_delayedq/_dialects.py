@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from types import SimpleNamespace
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from sqlalchemy import BigInteger, String, Table, any_, delete, literal
 from sqlalchemy import cast as sa_cast
@@ -29,6 +29,9 @@ from sqlalchemy.sql import Insert
 from . import _statements as st
 from ._statements import P
 from .errors import ConcurrentUpdate, UnsupportedBackend
+
+if TYPE_CHECKING:
+    from ._batch import NewRow
 
 __all__ = ["Claimed", "Strategy", "is_transient", "strategy_for"]
 
@@ -66,14 +69,35 @@ class Strategy(abc.ABC):
     batch_insert_first: ClassVar[bool] = True
 
     def insert_rows(
-        self, session: Session, t: Table, rows: list[dict[str, Any]]
+        self,
+        session: Session,
+        t: Table,
+        queue: str,
+        type_name: str,
+        now: datetime,
+        rows: list[NewRow],
     ) -> set[str] | None:
-        """Insert-if-absent many rows; the keys written, or None when the driver cannot tell."""
+        """Insert-if-absent many new rows; the keys written, or None when the driver cannot tell."""
+        params = [
+            {
+                "queue": queue,
+                "key": r.key,
+                "payload_type": type_name,
+                "payload": None if r.text is None else json.loads(r.text),
+                "payload_bytes": r.raw,
+                "status": "pending",
+                "scheduled_at": r.at or now,
+                "scheduled_at_initially": r.at0 or r.at or now,
+                "created_at": now,
+                "attempts": 0,
+            }
+            for r in rows
+        ]
         stmt = self.insert_ignore(t)
         if not self.insert_returning:
-            result: Any = session.execute(stmt, rows)
-            return {r["key"] for r in rows} if result.rowcount == len(rows) else None
-        return set(session.execute(stmt.returning(t.c.key), rows).scalars())
+            result: Any = session.execute(stmt, params)
+            return {r.key for r in rows} if result.rowcount == len(rows) else None
+        return set(session.execute(stmt.returning(t.c.key), params).scalars().all())
 
     def __init__(self, dialect: Dialect) -> None:
         self.dialect = dialect
@@ -168,30 +192,36 @@ class PostgreSQLStrategy(Strategy):
     has_notify = True
 
     def insert_rows(
-        self, session: Session, t: Table, rows: list[dict[str, Any]]
+        self,
+        session: Session,
+        t: Table,
+        queue: str,
+        type_name: str,
+        now: datetime,
+        rows: list[NewRow],
     ) -> set[str] | None:
-        first = rows[0]
-        document = json.dumps(
-            [
-                {
-                    "k": r["key"],
-                    "p": r["payload"],
-                    "b": None if r["payload_bytes"] is None else r["payload_bytes"].hex(),
-                    "a": r["scheduled_at"].isoformat(),
-                    "a0": r["scheduled_at_initially"].isoformat(),
-                }
-                for r in rows
-            ],
-            separators=(",", ":"),
-        )
+        # The chunk travels as one JSON document; payloads are spliced in as already serialized.
+        dumps = json.dumps
+        parts = []
+        for r in rows:
+            doc = '{"k":' + dumps(r.key)
+            if r.text is not None:
+                doc += ',"p":' + r.text
+            if r.raw is not None:
+                doc += ',"b":"' + r.raw.hex() + '"'
+            if r.at is not None:
+                doc += ',"a":"' + r.at.isoformat() + '"'
+            if r.at0 is not None:
+                doc += ',"a0":"' + r.at0.isoformat() + '"'
+            parts.append(doc + "}")
         params = {
-            "u_queue": first["queue"],
-            "u_type": first["payload_type"],
-            "u_now": first["created_at"],
-            "u_rows": document,
+            "u_queue": queue,
+            "u_type": type_name,
+            "u_now": now,
+            "u_rows": f"[{','.join(parts)}]",
         }
         stmt = self.cached(t, "insert_rows", lambda: st.recordset_insert(t))
-        return set(session.execute(stmt, params).scalars())
+        return set(session.execute(stmt, params).scalars().all())
 
     TRANSIENT_STATES = frozenset({"40001", "40P01", "55P03", "57P01", "57P02", "57P03"})
 

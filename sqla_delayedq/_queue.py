@@ -6,6 +6,7 @@ acknowledged) together with the caller's own rows, or not at all.
 
 from __future__ import annotations
 
+import json
 import secrets
 import traceback
 import uuid
@@ -23,7 +24,7 @@ from ._dialects import Claimed, Strategy, is_transient, strategy_for
 from ._time import Clock, require_aware, require_duration, system_clock
 from ._types import Delivery, Envelope, NackOutcome, OfferMode, OfferResult, Outcome
 from ._wakeup import announce, channel_for, notify_pending
-from .errors import ConcurrentUpdate, DecodeError, InvalidArgument
+from .errors import ConcurrentUpdate, DecodeError, EncodeError, InvalidArgument
 from .models import ERROR_MAX, KEY_MAX, QUEUE_MAX, DelayedMessage, QueueMessageMixin
 from .retry import ExponentialBackoff, RetryPolicy
 from .serializers import JsonSerializer, Serializer
@@ -144,12 +145,28 @@ class DelayedQueue(AdminMixin, Generic[T]):
         return uuid.uuid4().hex if key is None else check_name(key, "key", KEY_MAX)
 
     def _encode(self, payload: T) -> dict[str, Any]:
-        encoded = self.serializer.encode(payload)
+        """The payload columns of a row holding ``payload`` (JSON normalised by a round trip)."""
+        return self._stored(self._serialize(payload))
+
+    def _serialize(self, payload: T) -> str | bytes:
+        """``payload`` as it is stored: JSON text, or bytes; validated before any SQL runs."""
+        if self.serializer.storage != "json":
+            encoded: bytes = self.serializer.encode(payload)
+            return encoded
+        if isinstance(self.serializer, JsonSerializer):
+            return self.serializer.dumps(payload)
+        try:
+            return json.dumps(self.serializer.encode(payload), allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise EncodeError(f"payload is not JSON-serializable: {exc}") from exc
+
+    def _stored(self, stored: str | bytes) -> dict[str, Any]:
+        """The payload columns for what :meth:`_serialize` returned."""
         json_storage = self.serializer.storage == "json"
         return {
             "payload_type": self.serializer.type_name,
-            "payload": encoded if json_storage else None,
-            "payload_bytes": None if json_storage else encoded,
+            "payload": json.loads(stored) if json_storage else None,
+            "payload_bytes": None if json_storage else stored,
         }
 
     def _decode(self, row: Any) -> T:

@@ -220,9 +220,10 @@ def recordset_insert(t: Table) -> Any:
     """PostgreSQL: insert a whole chunk from one JSON document, skipping existing keys.
 
     The rows travel as one ``jsonb`` parameter expanded by ``jsonb_to_recordset``: one statement
-    and four parameters whatever the chunk size, and one ``json.dumps`` on the client instead of
-    escaping every element of several arrays. Rows go in in key order, so concurrent batches take
-    their unique-index locks in the same order; ``RETURNING key`` says which were written.
+    and four parameters whatever the chunk size; payloads are spliced into the document as the
+    serializer wrote them, and a missing due time means ``u_now``. Rows go in in key order, so
+    concurrent batches take their unique-index locks in the same order; ``RETURNING key`` says
+    which were written.
     """
     r = (
         func.jsonb_to_recordset(cast(bindparam("u_rows", type_=String()), postgresql.JSONB()))
@@ -235,6 +236,7 @@ def recordset_insert(t: Table) -> Any:
         )
         .render_derived(name="r", with_types=True)
     )
+    now = bindparam("u_now", type_=DateTime(timezone=True))
     rows = select(
         bindparam("u_queue", type_=String()),
         r.c.k,
@@ -242,9 +244,9 @@ def recordset_insert(t: Table) -> Any:
         r.c.p,
         func.decode(r.c.b, literal("hex")),
         literal("pending"),
-        r.c.a,
-        r.c.a0,
-        bindparam("u_now", type_=DateTime(timezone=True)),
+        func.coalesce(r.c.a, now),
+        func.coalesce(r.c.a0, r.c.a, now),
+        now,
         literal(0),
     ).order_by(r.c.k)
     names = [

@@ -48,13 +48,17 @@ class JsonSerializer(Generic[T]):
             raise InvalidArgument("type_name must be 1 to 100 characters")
         self.type_name = type_name
 
-    def encode(self, payload: T) -> Any:
+    def dumps(self, payload: T) -> str:
+        """The payload as JSON text; rejects what JSON cannot hold (sets, NaN, objects)."""
         try:
-            # Round-trip once: rejects what JSON cannot hold (sets, NaN, objects) before SQL runs
-            # and normalises tuples to lists, so the identity check on re-offer is exact.
-            return json.loads(json.dumps(payload, allow_nan=False))
+            return json.dumps(payload, allow_nan=False)
         except (TypeError, ValueError) as exc:
             raise EncodeError(f"payload is not JSON-serializable: {exc}") from exc
+
+    def encode(self, payload: T) -> Any:
+        # Round-trip once: rejects what JSON cannot hold before SQL runs and normalises tuples
+        # to lists, so the identity check on re-offer is exact.
+        return json.loads(self.dumps(payload))
 
     def decode(self, stored: Any) -> T:
         if isinstance(stored, (bytes, str)):

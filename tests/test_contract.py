@@ -507,3 +507,53 @@ def test_offer_batch_of_bytes_and_exact_times(backend, make_queue, clock):
         a, b = q.get(s, "a"), q.get(s, "b")
         assert (a.payload, b.payload) == (b"\x00\x01raw", b"")
         assert a.scheduled_at == at and a.scheduled_at_initially == at
+
+
+class _UpperJson:
+    """A serializer of our own with JSON storage: not a JsonSerializer subclass."""
+
+    type_name = "upper"
+    storage = "json"
+
+    def encode(self, payload: str) -> object:
+        return {"text": payload.upper(), "pair": (1, 2)}
+
+    def decode(self, stored: object) -> str:
+        assert isinstance(stored, dict)
+        return str(stored["text"]).lower()
+
+
+def test_offer_batch_writes_payloads_as_serialized_and_reoffers_are_ignored(
+    backend, make_queue, clock
+):
+    """The batch splices serialized payloads into its insert; a later identical offer agrees."""
+    q = make_queue()
+    payloads = {
+        "plain": {"n": 1},
+        "tuple": {"pair": (1, 2), "nested": [{"x": None}]},
+        "unicode": {"s": 'quote " backslash \\ \u00e9\u4e2d\U0001f600 \n tab\t'},
+        "int-keys": {1: "one"},
+        "scalar": 7,
+        "list": [1, 2.5, True],
+    }
+    with backend.Session() as s, s.begin():
+        results = q.offer_batch(s, list(payloads.items()))
+        assert [r.outcome for r in results] == [Outcome.CREATED] * len(payloads)
+    with backend.Session() as s, s.begin():
+        for key, payload in payloads.items():
+            assert q.offer(s, key, payload).outcome is Outcome.IGNORED, key
+        again = q.offer_batch(s, list(payloads.items()))
+        assert [r.outcome for r in again] == [Outcome.IGNORED] * len(payloads)
+        got = {key: q.get(s, key).payload for key in payloads}
+    assert got["tuple"] == {"pair": [1, 2], "nested": [{"x": None}]}
+    assert got["unicode"] == payloads["unicode"]
+    assert got["int-keys"] == {"1": "one"}
+    assert (got["scalar"], got["list"]) == (7, [1, 2.5, True])
+
+    custom = make_queue("custom", serializer=_UpperJson())
+    with backend.Session() as s, s.begin():
+        assert [r.outcome for r in custom.offer_batch(s, [("c", "hi")])] == [Outcome.CREATED]
+    with backend.Session() as s, s.begin():
+        assert custom.offer(s, "c", "hi").outcome is Outcome.IGNORED
+        assert custom.get(s, "c").payload == "hi"
+        assert [m.key for m in custom.search(s, MessageFilter(payload={"text": "HI"}))] == ["c"]
