@@ -85,14 +85,19 @@ def chunk_size(strategy: Strategy) -> int:
 
 def _validate(q: DelayedQueue[Any], messages: Iterable[OfferInput], now: datetime) -> list[_Item]:
     items: list[_Item] = []
+    append, key_of, serialize = items.append, q._key, q._serialize  # looked up once: hot loop
     for i, message in enumerate(messages):
-        if not isinstance(message, tuple) or len(message) not in (2, 3):
-            raise InvalidArgument(
-                f"messages[{i}] must be a (key, payload) or (key, payload, at) tuple"
-            )
-        at_arg = message[2] if len(message) == 3 else None
-        at = None if at_arg is None else require_aware(at_arg, f"messages[{i}] at")
-        items.append(_Item(q, i, q._key(message[0]), q._serialize(message[1]), at))
+        if not isinstance(message, tuple):
+            raise InvalidArgument(f"messages[{i}] must be a (key, payload[, at]) tuple")
+        size = len(message)
+        if size == 2:
+            at = None
+        elif size == 3:
+            at_arg = message[2]  # type: ignore[misc]  # the size was just checked
+            at = None if at_arg is None else require_aware(at_arg, f"messages[{i}] at")
+        else:
+            raise InvalidArgument(f"messages[{i}] must be a (key, payload[, at]) tuple")
+        append(_Item(q, i, key_of(message[0]), serialize(message[1]), at))
     return items
 
 

@@ -14,6 +14,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
+from json.encoder import encode_basestring_ascii
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -201,10 +202,10 @@ class PostgreSQLStrategy(Strategy):
         rows: list[NewRow],
     ) -> set[str] | None:
         # The chunk travels as one JSON document; payloads are spliced in as already serialized.
-        dumps = json.dumps
+        quote = encode_basestring_ascii  # json.dumps of a str, without the call overhead
         parts = []
         for r in rows:
-            doc = '{"k":' + dumps(r.key)
+            doc = '{"k":' + quote(r.key)
             if r.text is not None:
                 doc += ',"p":' + r.text
             if r.raw is not None:

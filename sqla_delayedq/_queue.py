@@ -132,6 +132,10 @@ class DelayedQueue(AdminMixin, Generic[T]):
         self.notify = notify
         self._statements: dict[tuple[type[Strategy], str], Any] = {}
         self._settles: dict[st.SettleName, Any] = {}
+        #: JsonSerializer's own dumps: the batch path's per-message serialization, looked up once.
+        self._dumps: Callable[[Any], str] | None = (
+            self.serializer.dumps if isinstance(self.serializer, JsonSerializer) else None
+        )
 
     def __repr__(self) -> str:
         return f"DelayedQueue({self.name!r}, table={self.table.name!r})"
@@ -150,11 +154,11 @@ class DelayedQueue(AdminMixin, Generic[T]):
 
     def _serialize(self, payload: T) -> str | bytes:
         """``payload`` as it is stored: JSON text, or bytes; validated before any SQL runs."""
+        if self._dumps is not None:
+            return self._dumps(payload)
         if self.serializer.storage != "json":
             encoded: bytes = self.serializer.encode(payload)
             return encoded
-        if isinstance(self.serializer, JsonSerializer):
-            return self.serializer.dumps(payload)
         try:
             return json.dumps(self.serializer.encode(payload), allow_nan=False)
         except (TypeError, ValueError) as exc:

@@ -19,6 +19,9 @@ __all__ = ["BytesSerializer", "JsonSerializer", "Serializer"]
 
 Storage = Literal["json", "bytes"]
 
+#: ``json.dumps(payload, allow_nan=False)`` without building an encoder per call.
+_ENCODER = json.JSONEncoder(allow_nan=False)
+
 
 @runtime_checkable
 class Serializer(Protocol[T]):
@@ -51,7 +54,7 @@ class JsonSerializer(Generic[T]):
     def dumps(self, payload: T) -> str:
         """The payload as JSON text; rejects what JSON cannot hold (sets, NaN, objects)."""
         try:
-            return json.dumps(payload, allow_nan=False)
+            return _ENCODER.encode(payload)
         except (TypeError, ValueError) as exc:
             raise EncodeError(f"payload is not JSON-serializable: {exc}") from exc
 
