@@ -9,8 +9,9 @@ re-offer compares equal.
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, timezone, tzinfo
 from typing import Any
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from sqlalchemy import DateTime
 from sqlalchemy.dialects import mysql
@@ -20,6 +21,21 @@ from sqlalchemy.types import TypeDecorator
 from .errors import InvalidArgument
 
 UTC = timezone.utc
+
+
+def _utc_zones() -> frozenset[tzinfo]:
+    """Zones that are UTC under another name (none where there is no time zone database)."""
+    zones: set[tzinfo] = set()
+    for name in ("UTC", "Etc/UTC", "Etc/UCT", "UCT", "Etc/Universal", "Zulu"):
+        try:
+            zones.add(ZoneInfo(name))
+        except (ZoneInfoNotFoundError, ValueError):
+            continue
+    return frozenset(zones)
+
+
+#: A value in one of these needs no conversion, only relabelling as UTC.
+_UTC_ZONES = _utc_zones()
 
 Clock = Callable[[], datetime]
 """A zero-argument callable returning the current time as an aware datetime."""
@@ -76,6 +92,8 @@ class DateTimeUTC(TypeDecorator[datetime]):
         tz = value.tzinfo if isinstance(value, datetime) else False
         if tz is UTC:
             return value  # type: ignore[no-any-return]
+        if tz in _UTC_ZONES:  # psycopg's ZoneInfo("Etc/UTC") on a server in UTC
+            return value.replace(tzinfo=UTC)  # type: ignore[no-any-return]
         if tz is None:
             return value.replace(tzinfo=UTC)  # type: ignore[no-any-return]
         if tz is False:  # SQLite returns text when read through a raw expression

@@ -110,9 +110,11 @@ class _InFlight:
         self._lock = threading.Lock()
         self._items: dict[int, tuple[_Registration, Envelope[Any], float]] = {}
 
-    def add(self, reg: _Registration, env: Envelope[Any]) -> None:
+    def add(self, reg: _Registration, *envs: Envelope[Any]) -> None:
+        started = time.monotonic()
         with self._lock:
-            self._items[env.id] = (reg, env, time.monotonic())
+            for env in envs:
+                self._items[env.id] = (reg, env, started)
 
     def replace(self, env: Envelope[Any]) -> None:
         with self._lock:
@@ -121,13 +123,18 @@ class _InFlight:
                 self._items[env.id] = (reg, env, started)
 
     def current(self, env: Envelope[Any]) -> Envelope[Any]:
-        with self._lock:
-            item = self._items.get(env.id)
-            return env if item is None else item[1]
+        return self.current_all([env])[0]
 
-    def pop(self, env: Envelope[Any]) -> None:
+    def current_all(self, envs: list[Envelope[Any]]) -> list[Envelope[Any]]:
+        """The envelopes as the heartbeat last extended them (or as given)."""
         with self._lock:
-            self._items.pop(env.id, None)
+            items = self._items
+            return [env if (item := items.get(env.id)) is None else item[1] for env in envs]
+
+    def pop(self, *envs: Envelope[Any]) -> None:
+        with self._lock:
+            for env in envs:
+                self._items.pop(env.id, None)
 
     def snapshot(self) -> list[tuple[_Registration, Envelope[Any], float]]:
         with self._lock:
@@ -363,10 +370,12 @@ class Worker:
         when: datetime | None = session.execute(stmt).scalar()
         self._idle.next_due = None if when is None else max(0.0, (when - now).total_seconds())
 
-    def _observe(self, reg: _Registration, env: Envelope[Any]) -> None:
-        if env.redelivered:
-            self.hooks.redelivered(reg.queue.name, env)
-        self.hooks.lag(reg.queue.name, (reg.queue.now() - env.scheduled_at).total_seconds())
+    def _observe(self, reg: _Registration, *envs: Envelope[Any]) -> None:
+        name, hooks, now = reg.queue.name, self.hooks, reg.queue.now()
+        for env in envs:
+            if env.redelivered:
+                hooks.redelivered(name, env)
+            hooks.lag(name, (now - env.scheduled_at).total_seconds())
 
     def _lease_once(self, reg: _Registration) -> bool:
         if reg.batch is not None:
@@ -375,8 +384,7 @@ class Worker:
             envs = reg.queue.try_poll_many(s, self.batch_size, lease=reg.lease)
             if not envs:
                 self._note_idle(s, reg)
-        for env in envs:
-            self._in_flight.add(reg, env)
+        self._in_flight.add(reg, *envs)
         for i, env in enumerate(envs):
             if self._stopping.is_set():
                 for rest in envs[i:]:
@@ -418,9 +426,8 @@ class Worker:
                 self._note_idle(s, reg)
         if not envs:
             return False
-        for env in envs:
-            self._in_flight.add(reg, env)
-            self._observe(reg, env)
+        self._in_flight.add(reg, *envs)
+        self._observe(reg, *envs)
         started = time.monotonic()
         try:
             reg.handler(envs)
@@ -432,14 +439,13 @@ class Worker:
                 )
                 self.hooks.failed(reg.queue.name, env, exc, outcome or NackOutcome.STALE)
         else:
-            current = [self._in_flight.current(env) for env in envs]
+            current = self._in_flight.current_all(envs)
             self._settle(reg, envs[0], lambda s: reg.queue.ack_many(s, current), "ack")
             elapsed = time.monotonic() - started
             for env in envs:
                 self.hooks.processed(reg.queue.name, env, elapsed)
         finally:
-            for env in envs:
-                self._in_flight.pop(env)
+            self._in_flight.pop(*envs)
         return True
 
     def _settle(
