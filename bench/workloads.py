@@ -186,7 +186,17 @@ BASE_TAKE = (
 )
 
 
-def _base_drain(url: URL, backend: str, n: int, consumers: int, batch: int) -> Measure:
+def _drain(
+    url: URL,
+    backend: str,
+    n: int,
+    consumers: int,
+    take: Callable[[Any], int],
+    *,
+    autocommit: bool,
+) -> Measure:
+    """Fill ``n`` due messages, then ``consumers`` psycopg threads call ``take(conn)`` until it
+    returns 0 (it returns how many messages it took)."""
     import psycopg
 
     _fill(url, n)
@@ -194,17 +204,27 @@ def _base_drain(url: URL, backend: str, n: int, consumers: int, batch: int) -> M
     lock = threading.Lock()
 
     def consume() -> None:
-        with psycopg.connect(_libpq(url), autocommit=True) as conn:
-            while True:
-                rows = conn.execute(
-                    BASE_TAKE, (QUEUE, datetime.now(timezone.utc), batch)
-                ).fetchall()
-                if not rows:
-                    return
+        with psycopg.connect(_libpq(url), autocommit=autocommit) as conn:
+            while taken := take(conn):
                 with lock:
-                    counts.append(len(rows))
+                    counts.append(taken)
 
-    return _run_consumers(url, backend, n, consumers, consume, counts)
+    with Meter(backend) as m:
+        threads = [threading.Thread(target=consume) for _ in range(consumers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    if sum(counts) != n:
+        raise RuntimeError(f"drained {sum(counts)} of {n}")
+    return m.result(n)
+
+
+def _base_drain(url: URL, backend: str, n: int, consumers: int, batch: int) -> Measure:
+    def take(conn: Any) -> int:
+        return len(conn.execute(BASE_TAKE, (QUEUE, datetime.now(timezone.utc), batch)).fetchall())
+
+    return _drain(url, backend, n, consumers, take, autocommit=True)
 
 
 def base_c1(url: URL, backend: str, n: int, consumers: int = 4) -> Measure:
@@ -362,28 +382,16 @@ def contract_e2(url: URL, backend: str, n: int, batch: int = 1000) -> Measure:
 
 def contract_c1(url: URL, backend: str, n: int, consumers: int = 4) -> Measure:
     """Transactional mode: take, savepoint around the handler, commit, per message."""
-    import psycopg
 
-    _fill(url, n)
-    counts: list[int] = []
-    lock = threading.Lock()
+    def take(conn: Any) -> int:
+        with conn.transaction():
+            rows = conn.execute(BASE_TAKE, (QUEUE, datetime.now(timezone.utc), 1)).fetchall()
+            if rows:
+                with conn.transaction():  # SAVEPOINT ... RELEASE around the handler
+                    pass
+        return len(rows)
 
-    def consume() -> None:
-        with psycopg.connect(_libpq(url)) as conn:
-            while True:
-                with conn.transaction():
-                    rows = conn.execute(
-                        BASE_TAKE, (QUEUE, datetime.now(timezone.utc), 1)
-                    ).fetchall()
-                    if rows:
-                        with conn.transaction():  # SAVEPOINT ... RELEASE around the handler
-                            pass
-                if not rows:
-                    return
-                with lock:
-                    counts.append(len(rows))
-
-    return _run_consumers(url, backend, n, consumers, consume, counts)
+    return _drain(url, backend, n, consumers, take, autocommit=False)
 
 
 LEASE_TAKE = (
@@ -398,54 +406,17 @@ def contract_c2(url: URL, backend: str, n: int, consumers: int = 4, batch: int =
     """Lease mode in batches: take and commit, handle, acknowledge by lock token and commit."""
     import secrets
 
-    import psycopg
+    def take(conn: Any) -> int:
+        now = datetime.now(timezone.utc)
+        lease = (now + timedelta(minutes=5), secrets.token_hex(12) + ".", QUEUE, now, batch)
+        with conn.transaction():
+            rows = conn.execute(LEASE_TAKE, lease).fetchall()
+        if rows:
+            with conn.transaction():
+                conn.execute(LEASE_ACK, ([r[0] for r in rows], [r[1] for r in rows]))
+        return len(rows)
 
-    _fill(url, n)
-    counts: list[int] = []
-    lock = threading.Lock()
-
-    def consume() -> None:
-        with psycopg.connect(_libpq(url)) as conn:
-            while True:
-                now = datetime.now(timezone.utc)
-                with conn.transaction():
-                    rows = conn.execute(
-                        LEASE_TAKE,
-                        (
-                            now + timedelta(minutes=5),
-                            secrets.token_hex(12) + ".",
-                            QUEUE,
-                            now,
-                            batch,
-                        ),
-                    ).fetchall()
-                if not rows:
-                    return
-                with conn.transaction():
-                    conn.execute(LEASE_ACK, ([r[0] for r in rows], [r[1] for r in rows]))
-                with lock:
-                    counts.append(len(rows))
-
-    return _run_consumers(url, backend, n, consumers, consume, counts)
-
-
-def _run_consumers(
-    url: URL,
-    backend: str,
-    n: int,
-    consumers: int,
-    consume: Callable[[], None],
-    counts: list[int],
-) -> Measure:
-    with Meter(backend) as m:
-        threads = [threading.Thread(target=consume) for _ in range(consumers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    if sum(counts) != n:
-        raise RuntimeError(f"drained {sum(counts)} of {n}")
-    return m.result(n)
+    return _drain(url, backend, n, consumers, take, autocommit=False)
 
 
 CONTRACT = {"E1": contract_e1, "E2": contract_e2, "C1": contract_c1, "C2": contract_c2}

@@ -316,8 +316,12 @@ def settle(t: Table, name: SettleName) -> Delete | Update:
     }
     values: dict[str, Any]
     if name == "done":
-        values = {"status": "done", "scheduled_at": None, "lock_token": None}
-        values["last_attempt_at"] = now
+        values = {
+            "status": "done",
+            "scheduled_at": None,
+            "lock_token": None,
+            "last_attempt_at": now,
+        }
     elif name == "nack":
         values = {"scheduled_at": at, "lock_token": None, **failure}
     elif name == "bury":

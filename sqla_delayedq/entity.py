@@ -632,16 +632,17 @@ class EntityQueue(Generic[M]):
         A take that fails with a transient error (a deadlock, a lost connection) has changed
         nothing and run no handler, so it is tried again, up to ``TAKE_ATTEMPTS`` times.
         """
-        for attempt in range(1, TAKE_ATTEMPTS + 1):
+        attempt = 1
+        while True:
             try:
                 return self._process_due_once(sessions, handler, limit, transactional)
             except _TakeFailed as failed:
                 if attempt == TAKE_ATTEMPTS or not is_transient(failed.error):
                     raise failed.error from None
-                # A take that lost a deadlock (InnoDB's SKIP LOCKED on a secondary index can)
-                # changed nothing and ran no handler: take again after a short, random pause.
-                time.sleep(random.uniform(0, 0.01 * 2**attempt))
-        raise AssertionError("unreachable")
+            # A take that lost a deadlock (InnoDB's SKIP LOCKED on a secondary index can)
+            # changed nothing and ran no handler: take again after a short, random pause.
+            time.sleep(random.uniform(0, 0.01 * 2**attempt))
+            attempt += 1
 
     def _take(self, session: Session, limit: int) -> list[EntityLease[M]]:
         try:

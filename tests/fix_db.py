@@ -224,6 +224,16 @@ def _clean(backend: Backend) -> None:
             conn.execute(table.delete())
 
 
+def _emptied(
+    name: str, made: dict[str, Backend], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Backend]:
+    """The session's database of ``name``, with empty tables before and after the test."""
+    b = _session_backend(name, made, tmp_path_factory)
+    _clean(b)
+    yield b
+    _clean(b)
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(
     request: pytest.FixtureRequest,
@@ -231,10 +241,7 @@ def backend(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Backend]:
     """Each backend in turn, with an empty default queue table."""
-    b = _session_backend(request.param, _backend_databases, tmp_path_factory)
-    _clean(b)
-    yield b
-    _clean(b)
+    yield from _emptied(request.param, _backend_databases, tmp_path_factory)
 
 
 @pytest.fixture(params=SERVER_BACKENDS)
@@ -244,10 +251,7 @@ def server_backend(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Backend]:
     """PostgreSQL and MariaDB only: for races that need real concurrent servers."""
-    b = _session_backend(request.param, _backend_databases, tmp_path_factory)
-    _clean(b)
-    yield b
-    _clean(b)
+    yield from _emptied(request.param, _backend_databases, tmp_path_factory)
 
 
 @pytest.fixture
@@ -255,10 +259,7 @@ def pg(
     _backend_databases: dict[str, Backend], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Backend]:
     """PostgreSQL only."""
-    b = _session_backend("postgresql", _backend_databases, tmp_path_factory)
-    _clean(b)
-    yield b
-    _clean(b)
+    yield from _emptied("postgresql", _backend_databases, tmp_path_factory)
 
 
 @pytest.fixture(params=BACKENDS)
@@ -288,10 +289,7 @@ def conformance_backend(
     operations: every statement travels through psycopg's ``AsyncConnection``.
     """
     if request.param != ASYNC_PG:
-        b = _session_backend(request.param, _backend_databases, tmp_path_factory)
-        _clean(b)
-        yield b
-        _clean(b)
+        yield from _emptied(request.param, _backend_databases, tmp_path_factory)
         return
     from sqlalchemy.ext.asyncio import create_async_engine
 
