@@ -5,8 +5,13 @@ BIN := $(VENV)/bin
 EXTRAS ?= dev,spark
 DEMO_DB ?= demo.sqlite
 
+# `make demo` needs only the package itself (SQLAlchemy, Alembic, SQLite from the standard
+# library); `make install` adds every extra to the same virtualenv.
+FULL := $(VENV)/.installed-$(EXTRAS)
+CORE := $(VENV)/.installed-core
+
 .DEFAULT_GOAL := help
-.PHONY: help install demo test test-fast lint typecheck bench clean
+.PHONY: help install demo test lint bench dist clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  %-10s %s\n", $$1, $$2}'
@@ -15,13 +20,17 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-$(VENV)/.installed-$(EXTRAS): pyproject.toml | $(BIN)/python
+$(FULL): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e ".[$(EXTRAS)]"
 	touch $@
 
-install: $(VENV)/.installed-$(EXTRAS) ## create the virtualenv and install the package with its extras
+$(CORE): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e .
+	touch $@
 
-demo: install ## migrate a SQLite file, enqueue with a domain write, run a worker, show deliveries
+install: $(FULL) ## create the virtualenv and install the package with every extra (dev, spark)
+
+demo: $(CORE) ## install the package alone (no extras), migrate a SQLite file, enqueue with a domain write, run a worker
 	rm -f $(DEMO_DB) $(DEMO_DB)-wal $(DEMO_DB)-shm
 	DELAYEDQ_DATABASE_URL=sqlite:///$(DEMO_DB) $(BIN)/alembic upgrade head
 	$(BIN)/python examples/demo.py sqlite:///$(DEMO_DB)
@@ -29,13 +38,20 @@ demo: install ## migrate a SQLite file, enqueue with a domain write, run a worke
 test: install ## run the whole test suite (PostgreSQL and MariaDB required when CI=true)
 	$(BIN)/python -m pytest
 
-lint: install ## ruff and mypy
+lint: install ## ruff, mypy (strict on the package, relaxed on the tests) and the architecture rules
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/python scripts/check_architecture.py
 
 bench: install ## run the benchmarks against the local servers; writes bench/results.json
 	$(BIN)/python -m bench
 
+dist: install ## build the sdist and the wheel into dist/; fails on a packaging deprecation warning
+	rm -rf dist
+	$(BIN)/python -m build --outdir dist . > dist.log 2>&1 || { cat dist.log; exit 1; }
+	@! grep -i 'deprecat' dist.log || { echo "deprecation warnings in the build log: dist.log"; exit 1; }
+	@ls -l dist
+
 clean: ## remove the virtualenv and local artefacts
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache $(DEMO_DB) $(DEMO_DB)-wal $(DEMO_DB)-shm
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build dist dist.log *.egg-info $(DEMO_DB) $(DEMO_DB)-wal $(DEMO_DB)-shm
