@@ -1,22 +1,15 @@
-"""Alembic support: operations that create and drop a message table, and an autogenerate hook.
+"""Alembic support: operations for a host's own message table, and the autogenerate renderer.
 
 A host application gets its message table in one of two ways; both produce the table that
 :class:`~sqla_delayedq.QueueMessageMixin` defines (columns, per-backend types, the unique
 ``(queue, key)`` constraint, the due and lock-token indexes, the status check, server defaults).
 
 **Autogenerate.** Map a class with the mixin on the application's own ``Base``; ``alembic revision
---autogenerate`` then writes the table and its indexes into a revision like any other model. Pass
-:func:`render_item` to ``context.configure()`` in ``env.py``. Without it Alembic renders the
-timestamp columns as ``sqla_delayedq._time.DateTimeUTC()``, a private type the revision does not
-import, and, when it autogenerates against a database other than PostgreSQL, the payload column's
-PostgreSQL variant as ``postgresql.JSONB(astext_type=Text())`` with ``Text`` undefined; either
-makes the revision fail on every backend. With the hook both render as plain SQLAlchemy types, so
-the revision is frozen DDL that runs anywhere::
-
-    from sqla_delayedq.migration import render_item
-
-    context.configure(connection=connection, target_metadata=Base.metadata,
-                      render_item=render_item)
+--autogenerate`` then writes the table and its indexes into a revision like any other model. The
+mixin's column types are written as plain SQLAlchemy (no import of this package in the revision)
+by :func:`render_item`, which Alembic consults for those types only. Passing it to
+``context.configure(render_item=...)`` in ``env.py`` is optional: a project with a hook of its own
+keeps it, and ours is consulted after it.
 
 **Hand-written migrations.** Call the operations from a revision's ``upgrade()`` and
 ``downgrade()``::
@@ -29,9 +22,11 @@ the revision is frozen DDL that runs anywhere::
     def downgrade() -> None:
         drop_queue_table("outbox")
 
-They build the table from the mixin at the time the migration runs, so it cannot drift from the
-model of the installed version. (A later version that changes the table ships the operations for
-the change.) This is how the repository's own ``alembic/`` migrations create ``delayed_queue``.
+``create_queue_table`` builds the table from the mixin of the installed version. A table created
+by an older version gets each later change from an operation shipped for it, which a revision of
+the host's calls once: :func:`upgrade_key_collation` (keys compared byte for byte on
+MariaDB/MySQL). Each such operation emits fixed DDL and is harmless on a table that has the change
+already, so a revision stays correct whichever version created the table.
 
 This module imports Alembic; ``import sqla_delayedq`` does not import it.
 """
@@ -44,18 +39,40 @@ from alembic import op
 from alembic.autogenerate.api import AutogenContext
 from alembic.operations import ops
 from sqlalchemy import MetaData, Table
-from sqlalchemy.dialects import postgresql
+from sqlalchemy.dialects import mysql
+from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase
 
+from ._engine import Family, family
 from ._time import DateTimeUTC
-from .models import NAMING_CONVENTION, QueueMessageMixin
+from .models import (
+    MARIADB_EXACT_COLLATION,
+    MYSQL_EXACT_COLLATION,
+    NAMING_CONVENTION,
+    PG_JSONB,
+    ExactString,
+    QueueMessageMixin,
+    exact_collation,
+)
 
-__all__ = ["create_queue_table", "drop_queue_table", "queue_table", "render_item"]
+__all__ = [
+    "create_queue_table",
+    "downgrade_key_collation",
+    "drop_queue_table",
+    "queue_table",
+    "render_item",
+    "upgrade_key_collation",
+]
 
 DEFAULT_TABLE = "delayed_queue"
 
 #: What :class:`DateTimeUTC` is in DDL on each backend, as plain SQLAlchemy (``sa`` prefix added).
 DATETIME_UTC_DDL = "DateTime(timezone=True).with_variant(mysql.DATETIME(fsp=6), 'mysql', 'mariadb')"
+
+#: The key columns of every message table created before keys became byte-exact: (name, length).
+KEY_COLUMNS = (("queue", 100), ("key", 200))
+#: Their collation then, on MariaDB/MySQL: binary, but PAD SPACE (``'k' = 'k '``).
+PAD_SPACE_COLLATION = "utf8mb4_bin"
 
 
 def queue_table(table_name: str = DEFAULT_TABLE, *, schema: str | None = None) -> Table:
@@ -92,11 +109,49 @@ def drop_queue_table(table_name: str = DEFAULT_TABLE, *, schema: str | None = No
     op.drop_table(table_name, schema=schema)
 
 
+def upgrade_key_collation(table_name: str = DEFAULT_TABLE, *, schema: str | None = None) -> None:
+    """Make ``queue`` and ``key`` compare byte for byte on MariaDB/MySQL; a no-op elsewhere.
+
+    For a message table created by sqla_delayedq 0.1.0 (``utf8mb4_bin``, where ``'k'`` and
+    ``'k '`` are one key): ``ALTER TABLE ... MODIFY`` both columns to the NO PAD binary collation
+    (``utf8mb4_nopad_bin`` on MariaDB, ``utf8mb4_0900_bin`` on MySQL 8.0.17+). Rows are kept; no
+    two existing keys can become equal. Harmless on a table that has the collation already. Its
+    DDL is fixed: revisions call it, so a later release never changes what it emits. MariaDB is
+    recognised on a live connection whatever the URL; offline (``--sql``) use a ``mariadb://``
+    URL for MariaDB.
+    """
+    dialect = op.get_context().dialect
+    if family(dialect) is Family.MYSQL:
+        _alter_key_collation(table_name, schema, exact_collation(dialect))
+
+
+def downgrade_key_collation(table_name: str = DEFAULT_TABLE, *, schema: str | None = None) -> None:
+    """Undo :func:`upgrade_key_collation`: back to ``utf8mb4_bin``; a no-op elsewhere.
+
+    Fails (duplicate key) while two keys of one queue differ only in trailing spaces.
+    """
+    if family(op.get_context().dialect) is Family.MYSQL:
+        _alter_key_collation(table_name, schema, PAD_SPACE_COLLATION)
+
+
+def _alter_key_collation(table_name: str, schema: str | None, collation: str) -> None:
+    for column, length in KEY_COLUMNS:
+        op.alter_column(
+            table_name,
+            column,
+            type_=mysql.VARCHAR(length, charset="utf8mb4", collation=collation),
+            existing_nullable=False,
+            schema=schema,
+        )
+
+
 def render_item(type_: str, obj: Any, autogen_context: AutogenContext) -> str | Literal[False]:
     """An Alembic ``render_item`` hook: renders the mixin's column types as plain SQLAlchemy.
 
-    Returns ``False`` for everything else, so Alembic's default rendering applies; a project with
-    its own hook can call this one first and fall back to its own.
+    Returns ``False`` for everything else, so Alembic's default rendering (or another hook)
+    applies. The key columns get their byte-exact collation per dialect name; when autogenerate
+    runs against MariaDB through a ``mysql://`` URL, the ``mysql`` variant gets MariaDB's too, so
+    the revision runs on the server it was generated against whatever its URL.
     """
     if type_ != "type":
         return False
@@ -104,11 +159,30 @@ def render_item(type_: str, obj: Any, autogen_context: AutogenContext) -> str | 
     if isinstance(obj, DateTimeUTC):
         autogen_context.imports.add("from sqlalchemy.dialects import mysql")
         return f"{prefix}{DATETIME_UTC_DDL}"
-    if isinstance(obj, postgresql.JSON):
+    if isinstance(obj, ExactString):
+        autogen_context.imports.add("from sqlalchemy.dialects import mysql")
+        return f"{prefix}{_exact_string_ddl(obj.length, autogen_context.dialect)}"
+    if obj is PG_JSONB:
         # Alembic prefixes astext_type only when the migration context is PostgreSQL's.
         autogen_context.imports.add("from sqlalchemy.dialects import postgresql")
-        args = [f"astext_type={prefix}{obj.astext_type!r}"]
-        if obj.none_as_null:
-            args.append("none_as_null=True")
-        return f"postgresql.{type(obj).__name__}({', '.join(args)})"
+        return f"postgresql.JSONB(astext_type={prefix}Text())"
     return False
+
+
+def _exact_string_ddl(length: int, dialect: Dialect | None) -> str:
+    """:class:`ExactString` as plain SQLAlchemy: a ``String`` with a variant per dialect name."""
+    # The name 'mysql' means MySQL, unless autogenerate itself reached MariaDB under it.
+    for_mysql = (
+        exact_collation(dialect)
+        if dialect is not None and family(dialect) is Family.MYSQL
+        else MYSQL_EXACT_COLLATION
+    )
+
+    def varchar(collation: str) -> str:
+        return f"mysql.VARCHAR(length={length}, charset='utf8mb4', collation='{collation}')"
+
+    return (
+        f"String(length={length})"
+        f".with_variant({varchar(MARIADB_EXACT_COLLATION)}, 'mariadb')"
+        f".with_variant({varchar(for_mysql)}, 'mysql')"
+    )

@@ -10,7 +10,7 @@ autogenerate then sees the table, its constraints and indexes like any other mod
         __tablename__ = "messages"
 
 Or use :class:`DelayedMessage`, mapped on this package's own :data:`metadata` (the table that
-the repository's ``alembic/`` migrations create).
+the migrations shipped in :mod:`sqla_delayedq.migrations` create: ``delayedq db upgrade``).
 
 One row is one message. ``scheduled_at`` is the next due time and doubles as the lease: taking a
 message moves it to ``now + lease`` and sets a fresh ``lock_token``; ``NULL`` means the message is
@@ -34,11 +34,14 @@ from sqlalchemy import (
     UniqueConstraint,
 )
 from sqlalchemy.dialects import mysql, postgresql
+from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, declared_attr, mapped_column
 from sqlalchemy.sql.naming import conv
-from sqlalchemy.types import JSON
+from sqlalchemy.types import JSON, TypeDecorator
 
+from ._engine import Family, family, is_mariadb
 from ._time import DateTimeUTC
+from .errors import UnsupportedBackend
 
 __all__ = [
     "KEY_MAX",
@@ -63,14 +66,58 @@ NAMING_CONVENTION = {
 }
 
 
-def _case_sensitive_string(length: int) -> Any:
-    # MySQL's default collations are case-insensitive; keys "A" and "a" must not collide.
-    return String(length).with_variant(
-        mysql.VARCHAR(length, charset="utf8mb4", collation="utf8mb4_bin"), "mysql", "mariadb"
-    )
+#: NO PAD binary collations: ``'k' = 'k '`` is false, case and accents count, ``LIKE`` is literal.
+MARIADB_EXACT_COLLATION = "utf8mb4_nopad_bin"
+MYSQL_EXACT_COLLATION = "utf8mb4_0900_bin"  # MySQL 8.0.17+
 
 
-JSON_TYPE = JSON().with_variant(postgresql.JSONB(), "postgresql")
+def exact_collation(dialect: Dialect) -> str:
+    """The byte-exact collation of a MariaDB or MySQL server.
+
+    Chosen by ``dialect.is_mariadb``, not by the dialect name: a ``mysql://`` URL that reaches
+    MariaDB keeps the name ``mysql`` (so ``with_variant(..., "mariadb")`` would not apply) while
+    the dialect detects MariaDB on connect. Offline, ``mariadb://`` URLs say MariaDB.
+    MySQL has it from 8.0.17; an older server is refused here, before any DDL.
+    """
+    if is_mariadb(dialect):
+        return MARIADB_EXACT_COLLATION
+    version = dialect.server_version_info
+    if version is not None and version < (8, 0, 17):
+        raise UnsupportedBackend(
+            f"MySQL {'.'.join(map(str, version))} has no {MYSQL_EXACT_COLLATION} collation, "
+            "which keys need to compare byte for byte; upgrade to MySQL 8.0.17 or later"
+        )
+    return MYSQL_EXACT_COLLATION
+
+
+class ExactString(TypeDecorator[str]):
+    """A ``VARCHAR`` compared byte for byte on every backend: keys and queue names.
+
+    PostgreSQL (deterministic collations) and SQLite (``BINARY``) compare strings exactly
+    already. MariaDB/MySQL's ``_bin`` collations are PAD SPACE (``'k' = 'k '``) and their default
+    ones ignore case and accents, so there the column gets :func:`exact_collation`, decided when
+    the DDL is compiled for a connected (or ``mariadb://``) dialect.
+    """
+
+    impl = String
+    cache_ok = True
+
+    def __init__(self, length: int) -> None:
+        super().__init__(length)
+        self.length = length
+
+    def load_dialect_impl(self, dialect: Dialect) -> Any:
+        if family(dialect) is Family.MYSQL:
+            varchar = mysql.VARCHAR(
+                self.length, charset="utf8mb4", collation=exact_collation(dialect)
+            )
+            return dialect.type_descriptor(varchar)
+        return dialect.type_descriptor(String(self.length))
+
+
+#: The payload's PostgreSQL variant; Alembic's hook knows the mixin's own by identity.
+PG_JSONB = postgresql.JSONB()
+JSON_TYPE = JSON().with_variant(PG_JSONB, "postgresql")
 BYTES_TYPE = LargeBinary().with_variant(mysql.LONGBLOB(), "mysql", "mariadb")
 ID_TYPE = BigInteger().with_variant(Integer(), "sqlite")
 
@@ -81,8 +128,8 @@ class QueueMessageMixin:
     __tablename__: str
 
     id: Mapped[int] = mapped_column(ID_TYPE, primary_key=True, autoincrement=True)
-    queue: Mapped[str] = mapped_column(_case_sensitive_string(QUEUE_MAX), nullable=False)
-    key: Mapped[str] = mapped_column(_case_sensitive_string(KEY_MAX), nullable=False)
+    queue: Mapped[str] = mapped_column(ExactString(QUEUE_MAX), nullable=False)
+    key: Mapped[str] = mapped_column(ExactString(KEY_MAX), nullable=False)
     payload_type: Mapped[str] = mapped_column(String(100), nullable=False)
     payload: Mapped[Any | None] = mapped_column(JSON_TYPE, nullable=True)
     payload_bytes: Mapped[bytes | None] = mapped_column(BYTES_TYPE, nullable=True)
@@ -94,6 +141,7 @@ class QueueMessageMixin:
     attempts: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
     last_attempt_at: Mapped[datetime | None] = mapped_column(DateTimeUTC(), nullable=True)
     last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    #: Metadata offered with the message (a JSON object of strings), e.g. its trace context.
 
     @declared_attr.directive
     def __table_args__(cls) -> tuple[Any, ...]:
@@ -123,6 +171,6 @@ class _Base(DeclarativeBase):
 
 
 class DelayedMessage(QueueMessageMixin, _Base):
-    """The default message table, ``delayed_queue``, created by the repository's migrations."""
+    """The default message table, ``delayed_queue``, created by the package's own migrations."""
 
     __tablename__ = "delayed_queue"
