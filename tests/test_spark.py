@@ -6,8 +6,10 @@ Every test here is a Spark test (``-k spark`` selects them); they skip when pysp
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
+import re
 import sys
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
@@ -27,7 +29,7 @@ from sqla_delayedq import DelayedQueue, InvalidArgument
 from sqla_delayedq.spark import OfferCounts, offer_dataframe, read_queue
 from sqla_delayedq.spark._common import connect_spec, is_utc_zone
 from sqla_delayedq.spark._datasource import ReadTask
-from sqla_delayedq.spark._write import PartitionWriter
+from sqla_delayedq.spark._write import PartitionWriter, prepare_offer
 from tests.fix_db import Backend
 
 pytestmark = pytest.mark.slow
@@ -141,9 +143,11 @@ def test_spark_partition_retried_after_partial_commit_leaves_exact_rows(
     )
     markers = sorted(p.name for p in tmp_path.iterdir())
     assert markers == ["partition-0", "partition-1"]  # both first attempts failed
-    assert counts.retried_partitions == 2 and counts.approximate
-    # The retries found each first slice already written, identical: ignored, not created.
-    assert (counts.created, counts.updated, counts.ignored) == (n - 10_000, 0, 10_000)
+    # The retries found each first slice already written; the failed attempts' commits
+    # still count as created by this call, and the counts know it.
+    assert counts == OfferCounts(
+        created=n, updated=0, ignored=0, partitions=2, retried_partitions=2, approximate=False
+    )
 
     rows = table_rows(pg)
     assert len(rows) == n
@@ -218,23 +222,65 @@ def test_spark_queue_column_payload_columns_and_dead_letters(
     ]
 
 
-def test_spark_naive_timestamps_need_a_utc_session(spark: SparkSession, pg: Backend) -> None:
+def test_spark_naive_timestamps_are_read_as_utc_under_a_utc_session(
+    spark: SparkSession, pg: Backend
+) -> None:
     df = spark.createDataFrame(
         [("k", "{}", datetime(2026, 1, 1, 12, 0, 0, 123456))],
         "key string, payload string, due timestamp_ntz",
     )
-    spark.conf.set("spark.sql.session.timeZone", "Europe/Paris")
-    try:
-        with pytest.raises(InvalidArgument, match="TIMESTAMP_NTZ"):
-            offer_dataframe(df, pg.url, "tz", scheduled_at="due")
-    finally:
-        spark.conf.set("spark.sql.session.timeZone", "UTC")
     assert offer_dataframe(df, pg.url, "tz", scheduled_at="due").created == 1
     q: DelayedQueue[Any] = DelayedQueue("tz")
     with pg.Session() as s:
         info = q.get(s, "k")
     assert info is not None
     assert info.scheduled_at == datetime(2026, 1, 1, 12, 0, 0, 123456, tzinfo=UTC)
+
+
+#: Noon (with microseconds) the day before and the day after each zone's DST change in 2026.
+DST_DAYS = {
+    "Europe/Paris": ((3, 28), (3, 29), (10, 24), (10, 25)),
+    "America/New_York": ((3, 7), (3, 8), (10, 31), (11, 1)),
+    "Australia/Sydney": ((4, 4), (4, 5), (10, 3), (10, 4)),
+}
+
+
+@pytest.mark.parametrize("session_zone", sorted(DST_DAYS))
+def test_spark_naive_timestamp_advice_gives_the_right_instant(
+    spark: SparkSession, pg: Backend, session_zone: str
+) -> None:
+    """Under a non-UTC session the refusal's recipe, pasted, stores each wall-clock time's instant.
+
+    Wall-clock times of the session's own zone (the usual case) and of another zone, on both
+    sides of each DST change.
+    """
+    from zoneinfo import ZoneInfo
+
+    walls = [datetime(2026, m, d, 12, 0, 0, 123456) for z in DST_DAYS.values() for m, d in z]
+    naive = spark.createDataFrame(
+        [(f"k{i}", "{}", w) for i, w in enumerate(walls)],
+        "key string, payload string, due timestamp_ntz",
+    )
+    spark.conf.set("spark.sql.session.timeZone", session_zone)
+    try:
+        with pytest.raises(InvalidArgument, match="TIMESTAMP_NTZ") as refused:
+            offer_dataframe(naive, pg.url, "tz", scheduled_at="due")
+        recipe = re.search(r"`(F\.[^`]+)`", str(refused.value))
+        assert recipe is not None, refused.value
+        assert f"' {session_zone}'" in recipe[1]
+        other = "Europe/Paris" if session_zone != "Europe/Paris" else "America/New_York"
+        for queue, zone in ((session_zone, session_zone), (other, other)):
+            code = recipe[1].replace(f"' {session_zone}'", f"' {zone}'")
+            df = naive.withColumn("due", eval(code, {"F": F}))
+            assert offer_dataframe(df, pg.url, queue, scheduled_at="due").created == len(walls)
+    finally:
+        spark.conf.set("spark.sql.session.timeZone", "UTC")
+    for zone in (session_zone, other):
+        q: DelayedQueue[Any] = DelayedQueue(zone)
+        with pg.Session() as s:
+            stored = [q.get(s, f"k{i}") for i in range(len(walls))]
+        expected = [w.replace(tzinfo=ZoneInfo(zone)).astimezone(UTC) for w in walls]
+        assert [m.scheduled_at if m else None for m in stored] == expected, zone
 
 
 def test_spark_bad_input_is_refused_with_a_clear_error(spark: SparkSession, pg: Backend) -> None:
@@ -247,10 +293,101 @@ def test_spark_bad_input_is_refused_with_a_clear_error(spark: SparkSession, pg: 
         offer_dataframe(df, pg.url, "x", key="nope")
     with pytest.raises(InvalidArgument, match="unknown offer mode"):
         offer_dataframe(df, pg.url, "x", mode="upsert")
-    nulls = spark.createDataFrame([(None, "{}")], "key string, payload string")
-    with pytest.raises(Exception, match="null key"):
-        offer_dataframe(nulls, pg.url, "x")
     assert table_rows(pg) == []
+
+
+def test_spark_bad_rows_are_refused_naming_the_offending_key(
+    spark: SparkSession, pg: Backend
+) -> None:
+    """A bad row fails its partition's transaction, and the error names the row's key."""
+    n = 5000
+    good = spark.range(n, numPartitions=1).select(
+        F.concat(F.lit("good/"), F.col("id").cast("string")).alias("key"),
+        F.to_json(F.struct(F.col("id").alias("i"))).alias("payload"),
+    )
+
+    def with_row(key: str | None, payload: str) -> DataFrame:
+        bad = spark.createDataFrame([(key, payload)], "key string, payload string")
+        return good.limit(3777).union(bad).union(good.offset(3777)).coalesce(1)
+
+    with pytest.raises(InvalidArgument, match=r"null key \(the first: payload '\{\"who\": 7\}'\)"):
+        offer_dataframe(with_row(None, '{"who": 7}'), pg.url, "bad")
+    long_key = "reminder/" + "x" * 200
+    with pytest.raises(InvalidArgument, match=r"key of 209 characters: 'reminder/xxx.*1 to 200"):
+        offer_dataframe(with_row(long_key, "{}"), pg.url, "bad")
+    with pytest.raises(InvalidArgument, match=r"payload of key 'user/not-json' .* not JSON"):
+        offer_dataframe(with_row("user/not-json", '{"a": 1,}'), pg.url, "bad")
+    with pytest.raises(InvalidArgument, match=r"payload of key 'user/nul' .* not JSON"):
+        offer_dataframe(with_row("user/nul", '{"a": "\\u0000"}'), pg.url, "bad")
+    assert table_rows(pg) == []  # each refused partition wrote nothing
+    assert offer_dataframe(good, pg.url, "bad").created == n  # and the good rows go in
+
+
+def test_spark_in_memory_sqlite_is_refused_before_any_task(spark: SparkSession) -> None:
+    df = spark.createDataFrame([("k", "{}")], "key string, payload string")
+    for url in ("sqlite://", "sqlite:///:memory:", "sqlite:///file:m?mode=memory&uri=true"):
+        with pytest.raises(InvalidArgument, match="in-memory SQLite"):
+            offer_dataframe(df, url, "q")
+        with pytest.raises(InvalidArgument, match="in-memory SQLite"):
+            read_queue(spark, url, "q")
+
+
+def test_spark_struct_payloads_keep_null_fields_and_utc_microseconds(
+    spark: SparkSession, pg: Backend
+) -> None:
+    df = spark.createDataFrame(
+        [
+            (
+                "k",
+                datetime(2026, 7, 1, 12, 0, 0, 123456, tzinfo=UTC),
+                datetime(2026, 7, 1, 8, 0, 0, 654321),
+                None,
+            )
+        ],
+        "key string, at timestamp, wall timestamp_ntz, missing int",
+    ).select(
+        "key",
+        F.struct(
+            "at",
+            "missing",
+            "wall",
+            F.create_map(F.lit("x"), F.lit(None).cast("int")).alias("m"),
+        ).alias("payload"),
+        "at",
+        "missing",
+    )
+    spark.conf.set("spark.sql.session.timeZone", "America/New_York")
+    try:
+        offer_dataframe(df, pg.url, "struct")
+        offer_dataframe(df, pg.url, "columns", payload_columns=["at", "missing"])
+    finally:
+        spark.conf.set("spark.sql.session.timeZone", "UTC")
+    q: DelayedQueue[Any] = DelayedQueue("struct")
+    c: DelayedQueue[Any] = DelayedQueue("columns")
+    with pg.Session() as s:
+        struct, columns = q.get(s, "k"), c.get(s, "k")
+    assert struct is not None and columns is not None
+    assert struct.payload == {
+        "at": "2026-07-01T12:00:00.123456Z",
+        "missing": None,
+        "wall": "2026-07-01T08:00:00.654321",  # TIMESTAMP_NTZ: the wall-clock text
+        "m": {"x": None},
+    }
+    assert columns.payload == {"at": "2026-07-01T12:00:00.123456Z", "missing": None}
+
+
+def test_spark_read_queue_dataframe_sees_rows_added_after_the_call(
+    spark: SparkSession, pg: Backend
+) -> None:
+    empty = read_queue(spark, pg.url, "later", columns=["key"])
+    offer_dataframe(reminders(spark, 1000, partitions=2), pg.url, "later")
+    df = read_queue(spark, pg.url, "later", columns=["key"], num_partitions=3)
+    assert df.count() == 1000 and empty.count() == 1000
+    more = reminders(spark, 1500, partitions=2).where(F.col("id") >= 1000)
+    offer_dataframe(more, pg.url, "later")
+    assert df.count() == 1500 and empty.count() == 1500
+    assert df.rdd.getNumPartitions() == 3
+    assert sorted(r.key for r in df.collect()) == sorted(f"user/{i}" for i in range(1500))
 
 
 def test_spark_no_password_in_what_executors_receive(
@@ -335,3 +472,156 @@ def test_spark_sqlite_backend_goes_through_offer_batch(spark: SparkSession, tmp_
     written = df.select("key", F.col("due").alias("scheduled_at"), F.col("id").alias("user_id"))
     got = back.select("key", "scheduled_at", "user_id")
     assert written.exceptAll(got).count() == 0 and got.exceptAll(written).count() == 0
+
+
+def mixed_due_race(spark: SparkSession, n: int, version: int) -> DataFrame:
+    """Two partitions offering the same n keys; each has due times on the keys the other lacks.
+
+    In partition 0 the even keys carry a due time and the odd keys none; in partition 1 the
+    reverse. Both partitions hold every key, so their writers contend for every row.
+    """
+    side = (F.col("id") / n).cast("int")
+    k = F.col("id") % n
+    return (
+        spark.range(2 * n, numPartitions=2)
+        .withColumn("key", F.concat(F.lit("race/"), F.lpad(k.cast("string"), 6, "0")))
+        .withColumn("payload", F.to_json(F.struct(k.alias("k"), F.lit(version).alias("v"))))
+        .withColumn(
+            "due",
+            F.when((k + side) % 2 == 0, F.timestamp_micros(F.lit(BASE_US) + k * 1000 + version)),
+        )
+    )
+
+
+def test_spark_replace_with_mixed_due_times_never_deadlocks(
+    spark: SparkSession, pg: Backend
+) -> None:
+    n = 20_000
+    first = offer_dataframe(mixed_due_race(spark, n, 1), pg.url, "race", scheduled_at="due")
+    # A deadlock kills one writer: its task is retried (or, a second time, the job fails).
+    assert first.retried_partitions == 0, first
+    assert (first.created, first.created + first.updated + first.ignored) == (n, 2 * n)
+    again = offer_dataframe(mixed_due_race(spark, n, 2), pg.url, "race", scheduled_at="due")
+    assert again.retried_partitions == 0, again
+    assert again.created == 0 and again.updated >= n, again  # every key has a new payload
+    with pg.engine.connect() as conn:
+        rows = conn.execute(
+            sa.text(
+                "SELECT count(*), count(DISTINCT key), "
+                "count(*) FILTER (WHERE payload->>'v' = '2'), "
+                "count(*) FILTER (WHERE scheduled_at IS NULL) FROM delayed_queue"
+            )
+        ).one()
+    assert tuple(rows) == (n, n, n, 0)
+
+
+def test_spark_replace_mixing_rows_with_and_without_a_time_matches_offer(
+    spark: SparkSession, pg: Backend
+) -> None:
+    """One partition, some rows timed and some not: the outcomes and rows of ``offer``."""
+    now = datetime(2026, 2, 1, 9, 30, 0, 654321, tzinfo=UTC)
+    t1 = datetime(2026, 3, 1, 8, 0, 0, 1, tzinfo=UTC)
+    t2 = datetime(2026, 3, 2, 8, 0, 0, 2, tzinfo=UTC)
+    before: list[tuple[str, dict[str, int], datetime | None]] = [
+        ("same", {"v": 1}, t1),
+        ("moved", {"v": 1}, t1),
+        ("new-payload", {"v": 1}, t2),
+    ]
+    after: list[tuple[str, dict[str, int], datetime | None]] = [
+        ("same", {"v": 1}, None),  # identical payload, no time: already there
+        ("moved", {"v": 1}, t2),  # identical payload, another time: moved
+        ("new-payload", {"v": 2}, None),  # new payload, no time: due now
+        ("fresh-untimed", {"v": 1}, None),
+        ("fresh-timed", {"v": 1}, t1),
+    ]
+    reference: DelayedQueue[Any] = DelayedQueue("by-offer", clock=lambda: now)
+    expected = {}
+    with pg.Session.begin() as s:
+        for key, payload, at in before:
+            reference.offer(s, key, payload, at)
+    with pg.Session.begin() as s:
+        for key, payload, at in after:
+            expected[key] = reference.offer(s, key, payload, at).outcome.value
+
+    schema = "key string, payload string, due timestamp"
+    first = spark.createDataFrame([(k, json.dumps(p), at) for k, p, at in before], schema)
+    offer_dataframe(first.coalesce(1), pg.url, "by-spark", scheduled_at="due", now=now)
+    second = spark.createDataFrame([(k, json.dumps(p), at) for k, p, at in after], schema)
+    counts = offer_dataframe(second.coalesce(1), pg.url, "by-spark", scheduled_at="due", now=now)
+    outcomes = list(expected.values())
+    assert (counts.created, counts.updated, counts.ignored) == tuple(
+        outcomes.count(o) for o in ("created", "updated", "ignored")
+    )
+    with pg.engine.connect() as conn:
+        rows = conn.execute(
+            sa.text(
+                "SELECT queue, key, payload, scheduled_at, scheduled_at_initially, created_at "
+                "FROM delayed_queue ORDER BY key, queue"
+            )
+        ).all()
+    by_queue: dict[str, dict[str, tuple[Any, ...]]] = {"by-offer": {}, "by-spark": {}}
+    for r in rows:
+        by_queue[r[0]][r[1]] = tuple(r[2:])
+    assert by_queue["by-spark"] == by_queue["by-offer"]
+    assert by_queue["by-spark"]["new-payload"][1] == now
+    assert by_queue["by-spark"]["fresh-untimed"][1] == now
+
+
+def test_spark_counts_what_a_stalled_speculative_copy_committed(
+    spark: SparkSession, pg: Backend
+) -> None:
+    """A copy of a task commits its partition and never reports; the original finds the rows.
+
+    Local mode never launches speculative copies (they must run on another host), so the test
+    runs the copy itself, with the call's own plan, before the job's task of that partition.
+    """
+    n = 40_000
+    df = reminders(spark, n, partitions=4)
+
+    def with_copy_of_partition(frame: DataFrame, partition: int) -> OfferCounts:
+        with prepare_offer(frame, pg.url, "reminders", scheduled_at="due") as call:
+            copy = call.prepared.where(F.spark_partition_id() == partition).toArrow()
+            assert copy.num_rows == n // 4
+            list(PartitionWriter(call.spec, call.plan)(iter(copy.to_batches())))
+            return call.run()
+
+    first = with_copy_of_partition(df, 2)
+    assert first == OfferCounts(
+        created=n, updated=0, ignored=0, partitions=4, retried_partitions=0, approximate=False
+    )
+    changed = df.withColumn("payload", F.struct(F.col("id").alias("user_id"), F.lit("v2")))
+    second = with_copy_of_partition(changed, 1)
+    assert (second.created, second.updated, second.ignored, second.approximate) == (
+        0,
+        n,
+        0,
+        False,
+    )
+    assert len(table_rows(pg)) == n
+
+
+def test_spark_counts_on_sqlite_say_approximate_after_a_retry(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    from sqla_delayedq import create_engine
+    from sqla_delayedq.models import metadata
+
+    url = f"sqlite:///{tmp_path / 'retry.sqlite'}"
+    engine = create_engine(url)
+    metadata.create_all(engine)
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    df = reminders(spark, 4000, partitions=2)
+    counts = offer_dataframe(
+        df,
+        url,
+        "lite",
+        scheduled_at="due",
+        commit_every=1000,
+        after_commit=FailOnceAfterFirstCommit(str(markers)),
+    )
+    assert counts.retried_partitions == 2 and counts.approximate
+    assert counts.total == 4000 and counts.created == 4000 - 2000  # the first slices: ignored
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM delayed_queue")).scalar() == 4000
+    engine.dispose()

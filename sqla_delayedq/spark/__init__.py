@@ -16,7 +16,8 @@ Enqueue one message per row, idempotently, from the executors::
     counts.created, counts.updated, counts.ignored
 
 Each partition opens its own connection and writes in one transaction: on PostgreSQL a
-``COPY`` into a temporary table and one ``INSERT ... ON CONFLICT`` in key order; elsewhere
+``COPY`` into a temporary table and one ``INSERT ... ON CONFLICT`` in key order (so partitions
+sharing keys cannot deadlock), with exact counts whichever task attempts committed; elsewhere
 ``DelayedQueue.offer_batch`` in chunks. The offer modes are those of ``DelayedQueue.offer``,
 so a retried task or a re-run job adds nothing that is already there.
 
@@ -27,7 +28,8 @@ Read a queue (and optionally its dead letters) for analytics::
 Passwords stay on the driver: executors get the URL without it and find it in
 ``PGPASSWORD``, ``PGPASSFILE`` or ``~/.pgpass``, or call a ``connection_factory`` you supply.
 Times are UTC instants end to end; a ``TIMESTAMP_NTZ`` schedule column is accepted only when
-the session time zone is UTC. See ``docs/spark.md``.
+the session time zone is UTC (otherwise the error gives the conversion that names its zone).
+See ``docs/spark.md``.
 """
 
 from __future__ import annotations

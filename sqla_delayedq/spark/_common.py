@@ -9,6 +9,7 @@ executor calls to get a connection (it should read its secret there, not close o
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,6 +21,7 @@ import pyarrow as pa  # type: ignore[import-untyped]
 import pyarrow.compute as pc  # type: ignore[import-untyped]
 from sqlalchemy.engine import URL, make_url
 
+from .._engine import Family, url_family
 from .._types import OfferMode
 from ..errors import InvalidArgument
 from ..models import KEY_MAX, QUEUE_MAX
@@ -82,8 +84,12 @@ class ConnectSpec:
     factory: ConnectionFactory | None = None
 
     @property
+    def family(self) -> Family | None:
+        return url_family(self.url)
+
+    @property
     def is_postgresql(self) -> bool:
-        return self.backend == "postgresql"
+        return self.family is Family.POSTGRESQL
 
     def connect_pg(self) -> Any:
         """A psycopg 3 connection (not autocommit), from the factory or from libpq settings."""
@@ -141,6 +147,30 @@ def _conninfo(url: URL) -> str:
     return str(make_conninfo("", **params))
 
 
+def _sqlite_for_executors(url: URL) -> URL:
+    """The same SQLite file for every executor: refuse in-memory databases, anchor relative paths.
+
+    An in-memory database exists in one process only: each executor would open an empty one
+    of its own. A relative path would resolve against each executor's working directory.
+    """
+    database = url.database or ""
+    memory = (
+        database in ("", ":memory:")
+        or database.startswith("file::memory:")
+        or "mode=memory" in database
+        or url.query.get("mode") == "memory"
+    )
+    if memory:
+        raise InvalidArgument(
+            f"{url.render_as_string()!r} is an in-memory SQLite database: it exists only in the "
+            "driver's process, and each executor would write to an empty one of its own; use "
+            "a database file that every executor can reach, e.g. sqlite:////shared/app.sqlite"
+        )
+    if database.startswith("file:") or os.path.isabs(database):
+        return url
+    return url.set(database=os.path.abspath(database))
+
+
 def connect_spec(url: str | URL, factory: ConnectionFactory | None) -> ConnectSpec:
     """The executor-side view of ``url``: the same database, without any secret."""
     try:
@@ -149,7 +179,9 @@ def connect_spec(url: str | URL, factory: ConnectionFactory | None) -> ConnectSp
         raise InvalidArgument(f"not a database URL: {exc}") from None
     if factory is not None and not callable(factory):
         raise InvalidArgument("connection_factory must be a zero-argument callable")
-    backend = parsed.get_backend_name()
+    backend = parsed.drivername.split("+")[0]
+    if url_family(parsed) is Family.SQLITE:
+        parsed = _sqlite_for_executors(parsed)
     safe = _strip_secrets(parsed)
     assert safe.password is None
     if parsed.password is not None or safe.query != parsed.query:
@@ -157,7 +189,7 @@ def connect_spec(url: str | URL, factory: ConnectionFactory | None) -> ConnectSp
             "the password in the database URL stays on the driver; executors use %s",
             "connection_factory" if factory else "PGPASSWORD / PGPASSFILE / ~/.pgpass",
         )
-    conninfo = _conninfo(safe) if backend == "postgresql" else ""
+    conninfo = _conninfo(safe) if url_family(parsed) is Family.POSTGRESQL else ""
     return ConnectSpec(
         backend=backend,
         url=safe.render_as_string(hide_password=False),
@@ -191,6 +223,8 @@ class WritePlan:
     commit_every: int | None = None
     notify: bool = True
     after_commit: Callable[[int, int], None] | None = None
+    #: PostgreSQL: the channel each transaction reports its counts on (see ``_ledger``).
+    ledger: str | None = None
 
 
 @dataclass
@@ -227,30 +261,47 @@ def table_parts(table: str, schema: str | None) -> tuple[str, ...]:
 # -- executor-side input checks ---------------------------------------------------------------
 
 
-def _check_names(column: pa.Array, what: str, limit: int, partition: int) -> None:
+def _shown(value: str | None, limit: int = 60) -> str:
+    if value is None:
+        return "null"
+    return repr(value) if len(value) <= limit else f"{value[:limit]!r}... ({len(value)} characters)"
+
+
+def _check_names(
+    column: pa.Array, what: str, limit: int, partition: int, key: pa.Array, payload: pa.Array
+) -> None:
+    """Refuse null, empty or over-long names, naming the first offending row by its key."""
     if not len(column):
         return
     if column.null_count:
+        i = pc.index(pc.is_null(column), True).as_py()
+        where = f"payload {_shown(payload[i].as_py())}"
+        if what != "key":
+            where = f"key {_shown(key[i].as_py())}, {where}"
+        rows = "1 row" if column.null_count == 1 else f"{column.null_count} rows"
         raise InvalidArgument(
-            f"{column.null_count} rows of partition {partition} have a null {what}; every "
-            f"message needs a {what} (a generated key would defeat idempotent retries)"
+            f"partition {partition} has {rows} with a null {what} (the first: {where}); "
+            f"every message needs a {what}"
+            + (" (a generated key would defeat idempotent retries)" if what == "key" else "")
         )
     lengths = pc.utf8_length(column)
     bounds = pc.min_max(lengths).as_py()
     if bounds["min"] == 0 or bounds["max"] > limit:
         bad = pc.or_(pc.equal(lengths, 0), pc.greater(lengths, limit))
-        example = column.filter(bad)[0].as_py()
+        i = pc.index(bad, True).as_py()
+        value = column[i].as_py()
+        where = "" if what == "key" else f" (key {_shown(key[i].as_py())})"
         raise InvalidArgument(
-            f"partition {partition} has a {what} of {len(example)} characters "
-            f"({example[:40]!r}); a {what} must be 1 to {limit} characters"
+            f"partition {partition} has a {what} of {len(value)} characters{where}: "
+            f"{_shown(value)}; a {what} must be 1 to {limit} characters"
         )
 
 
 def normalise(batch: pa.RecordBatch, partition: int) -> pa.RecordBatch:
     """Validate one input batch and give its times an explicit UTC zone."""
     queue, key, payload, at = (batch.column(i) for i in range(4))
-    _check_names(queue, "queue", QUEUE_MAX, partition)
-    _check_names(key, "key", KEY_MAX, partition)
+    _check_names(key, "key", KEY_MAX, partition, key, payload)
+    _check_names(queue, "queue", QUEUE_MAX, partition, key, payload)
     # Zoned values are instants; naive ones were allowed on the driver only as UTC.
     at = pc.cast(at, pa.timestamp("us", tz="UTC"))
     return pa.RecordBatch.from_arrays([queue, key, payload, at], names=list(WRITE_COLUMNS))

@@ -25,7 +25,7 @@ NAME = "sqla_delayedq"
 class ReadTask:
     spec: ConnectSpec
     plan: ReadPlan
-    ranges: tuple[tuple[int, int], ...]
+    ranges: tuple[tuple[int | None, int | None], ...]
     ddl: str
 
     def encode(self) -> str:
@@ -43,9 +43,9 @@ class ReadTask:
 
 
 class IdRange(InputPartition):
-    """Ids ``lo <= id < hi`` of the message table."""
+    """Ids ``lo <= id < hi`` of the message table; ``None`` is no bound."""
 
-    def __init__(self, lo: int, hi: int) -> None:
+    def __init__(self, lo: int | None, hi: int | None) -> None:
         super().__init__((lo, hi))
         self.lo = lo
         self.hi = hi

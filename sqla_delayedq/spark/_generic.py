@@ -33,7 +33,7 @@ def write_partition(
 ) -> Counts:
     """Offer a partition with ``offer_batch``, one transaction (or one per ``commit_every``)."""
     total = Counts()
-    model = _model_class(plan.table)
+    model = model_class(plan.table)
     serializer: JsonSerializer[Any] = JsonSerializer(plan.payload_type)
     queues: dict[str, DelayedQueue[Any]] = {}
     engine = spec.engine()
@@ -94,7 +94,7 @@ def _payload(key: str, text: str | None) -> Any:
 
 
 @functools.cache
-def _model_class(parts: tuple[str, ...]) -> type[QueueMessageMixin]:
+def model_class(parts: tuple[str, ...]) -> type[QueueMessageMixin]:
     if parts == (DelayedMessage.__tablename__,):
         return DelayedMessage
 
@@ -107,12 +107,14 @@ def _model_class(parts: tuple[str, ...]) -> type[QueueMessageMixin]:
 
 
 def read_range(
-    spec: ConnectSpec, plan: ReadPlan, lo: int, hi: int, schema: pa.Schema
+    spec: ConnectSpec, plan: ReadPlan, lo: int | None, hi: int | None, schema: pa.Schema
 ) -> Iterator[pa.RecordBatch]:
-    t: Table = _model_class(plan.table).__table__  # type: ignore[attr-defined]
-    stmt = select(*(t.c[c] for c in plan.columns), t.c.payload.label("_payload")).where(
-        t.c.id >= lo, t.c.id < hi
-    )
+    t: Table = model_class(plan.table).__table__  # type: ignore[attr-defined]
+    stmt = select(*(t.c[c] for c in plan.columns), t.c.payload.label("_payload"))
+    if lo is not None:
+        stmt = stmt.where(t.c.id >= lo)
+    if hi is not None:
+        stmt = stmt.where(t.c.id < hi)
     if plan.queue is not None:
         stmt = stmt.where(t.c.queue == plan.queue)
     if plan.dead_letters == "exclude":

@@ -3,8 +3,9 @@
 Writing a partition: ``COPY`` its rows (as CSV that Arrow renders in C++) into a temporary
 staging table, then one ``INSERT ... SELECT ... ORDER BY queue, key ON CONFLICT (queue, key)``
 that applies the offer mode to every row at once, counts what it created and updated
-(``RETURNING xmax = 0``) and commits. The sort makes concurrent writers lock keys in one order,
-so overlapping partitions wait for each other instead of deadlocking. The transaction covers
+(``RETURNING xmax = 0``), reports that on the call's ledger channel and commits. That one
+statement takes every row lock of the transaction, in key order, so overlapping partitions
+wait for each other instead of deadlocking. The transaction covers
 the whole partition (or each ``commit_every`` slice), so a failed task leaves nothing or whole
 slices behind, and the retry finds those rows identical and leaves them alone.
 
@@ -17,15 +18,18 @@ from __future__ import annotations
 
 import io
 from collections.abc import Iterator, Sequence
-from typing import Any, Literal
+from typing import Any
 
+import psycopg
 import pyarrow as pa  # type: ignore[import-untyped]
 import pyarrow.compute as pc  # type: ignore[import-untyped]
 import pyarrow.csv as pcsv  # type: ignore[import-untyped]
 from psycopg import sql
 
+from .._dialects import PostgreSQLStrategy
+from .._rules import FRESH, OFFER_RULES
 from .._types import OfferMode
-from .._wakeup import channel_for
+from ..errors import InvalidArgument
 from ._common import (
     NO_PASSWORD_HINT,
     ROW_COLUMNS,
@@ -36,6 +40,7 @@ from ._common import (
     WritePlan,
     normalise,
 )
+from ._ledger import entry as ledger_entry
 
 STAGE = sql.Identifier("sqla_delayedq_stage")
 
@@ -43,9 +48,6 @@ _CSV_OUT = pcsv.WriteOptions(include_header=False)
 
 #: Bytes of ``COPY TO`` output gathered before Arrow parses them into one record batch.
 READ_BLOCK_BYTES = 16 << 20
-
-AtFilter = Literal["all", "given", "absent"]
-
 
 # -- statements (pure) -----------------------------------------------------------------------
 
@@ -60,54 +62,71 @@ def copy_in() -> sql.Composed:
     return sql.SQL("COPY {} (queue, key, payload, at) FROM STDIN (FORMAT csv)").format(STAGE)
 
 
-def _mode_clause(mode: OfferMode, at: AtFilter) -> sql.Composable:
-    if mode is OfferMode.SKIP:
+def _mode_clause(mode: OfferMode, marked: bool) -> sql.Composable:
+    """The ``ON CONFLICT`` clause of :func:`upsert`, written from the offers' own rule
+    (:data:`sqla_delayedq._rules.OFFER_RULES`), so a bulk offer does what ``offer`` does."""
+    rule = OFFER_RULES[mode]
+    if not rule.updates:
         return sql.SQL("DO NOTHING")
     new_payload = sql.SQL(
         "(t.payload_type, t.payload, t.payload_bytes) IS DISTINCT FROM "
         "(EXCLUDED.payload_type, EXCLUDED.payload, EXCLUDED.payload_bytes)"
     )
-    fresh = sql.SQL(
-        "payload_type = EXCLUDED.payload_type, payload = EXCLUDED.payload, payload_bytes = NULL, "
-        "status = 'pending', lock_token = NULL, attempts = 0, last_error = NULL"
+    fresh = sql.SQL(", ").join(
+        [
+            sql.SQL("payload_type = EXCLUDED.payload_type"),
+            sql.SQL("payload = EXCLUDED.payload"),
+            sql.SQL("payload_bytes = NULL"),
+            *(
+                sql.SQL("{} = {}").format(sql.Identifier(c), sql.Literal(v))
+                for c, v in FRESH.items()
+            ),
+        ]
     )
-    if mode is OfferMode.REPLACE:
-        changed: sql.Composable = new_payload
-        if at == "given":
-            # Without a time ("as soon as possible"), an identical payload is already there.
-            changed = sql.SQL(
-                "{} OR t.scheduled_at_initially IS DISTINCT FROM EXCLUDED.scheduled_at_initially"
-            ).format(new_payload)
-        return sql.SQL(
-            "DO UPDATE SET {}, scheduled_at = EXCLUDED.scheduled_at, "
-            "scheduled_at_initially = EXCLUDED.scheduled_at_initially WHERE {}"
-        ).format(fresh, changed)
-    # KEEP_SCHEDULE: a done or dead row gets the offered time, an in-flight one is due now.
-    return sql.SQL(
-        "DO UPDATE SET {}, scheduled_at = CASE WHEN t.status <> 'pending' "
-        "THEN EXCLUDED.scheduled_at WHEN t.lock_token IS NOT NULL THEN %(now)s::timestamptz "
-        "ELSE t.scheduled_at END WHERE {}"
-    ).format(fresh, new_payload)
+    changed: sql.Composable = new_payload
+    if rule.compares_schedule and marked:
+        # A row offered without a time ("as soon as possible") arrives with a NULL
+        # scheduled_at: with an identical payload it is already there, whatever its schedule.
+        changed = sql.SQL(
+            "{} OR (EXCLUDED.scheduled_at IS NOT NULL AND "
+            "t.scheduled_at_initially IS DISTINCT FROM EXCLUDED.scheduled_at_initially)"
+        ).format(new_payload)
+    # Unmarked, every staged row was offered without a time: only the payload can differ.
+    if rule.reschedules:
+        schedule = sql.SQL(
+            "scheduled_at = EXCLUDED.scheduled_at_initially, "
+            "scheduled_at_initially = EXCLUDED.scheduled_at_initially"
+        )
+    else:  # a done or dead row gets the offered time, an in-flight one is due now
+        schedule = sql.SQL(
+            "scheduled_at = CASE WHEN t.status <> 'pending' THEN EXCLUDED.scheduled_at "
+            "WHEN t.lock_token IS NOT NULL THEN %(now)s::timestamptz ELSE t.scheduled_at END"
+        )
+    return sql.SQL("DO UPDATE SET {}, {} WHERE {}").format(fresh, schedule, changed)
 
 
-def upsert(table: Sequence[str], mode: OfferMode, at: AtFilter = "all") -> sql.Composed:
-    """Apply the staged rows to the table; returns one row (created, updated).
+def upsert(table: Sequence[str], mode: OfferMode, *, timed: bool = True) -> sql.Composed:
+    """Apply every staged row to the table in one statement; returns one row.
+
+    The row is (created, updated, ids to finish): one ``INSERT ... SELECT ... ORDER BY queue,
+    key ON CONFLICT`` takes every row lock of the transaction, in (queue, key) order in the "C"
+    collation, so writers that share keys wait for each other and never deadlock.
+
+    ``REPLACE`` treats a row offered with a time and one offered without differently (the
+    latter is ``IGNORED`` when its payload is identical, as ``offer(at=None)``). With
+    ``timed`` (some staged row has a time), a row without one is proposed with a NULL
+    ``scheduled_at`` so that ``EXCLUDED`` tells the two apart inside the one statement; the
+    rows this statement *created* that way come back as the third column, for
+    :func:`finish_untimed` to give them their schedule. Without ``timed`` nothing is marked.
 
     A key staged twice is applied once: SKIP keeps its first occurrence, the other modes
-    its last (``ON CONFLICT DO UPDATE`` may touch a row only once per statement).
-    ``at`` selects the staged rows with a time, without one, or all of them: REPLACE treats
-    the two differently, so it runs once for each kind present.
-
-    ``ON CONFLICT`` probes the unique index for every row, whatever the table's statistics
-    say, and its ``WHERE`` leaves identical rows alone (``IGNORED``). Rows go in sorted by
-    (queue, key) in the "C" collation, so concurrent writers lock keys in the same order.
+    its last (``ON CONFLICT DO UPDATE`` may touch a row only once per statement). ``ON
+    CONFLICT`` probes the unique index for every row, whatever the table's statistics say,
+    and its ``WHERE`` leaves identical rows alone (``IGNORED``).
     """
     order = sql.SQL("ASC" if mode is OfferMode.SKIP else "DESC")
-    at_filter = {
-        "all": sql.SQL("TRUE"),
-        "given": sql.SQL("s.at IS NOT NULL"),
-        "absent": sql.SQL("s.at IS NULL"),
-    }[at]
+    marked = mode is OfferMode.REPLACE and timed
+    scheduled = sql.SQL("s.at" if marked else "COALESCE(s.at, %(now)s::timestamptz)")
     return sql.SQL(
         'WITH s AS (SELECT DISTINCT ON (queue COLLATE "C", key COLLATE "C") queue, key, '
         "COALESCE(payload, 'null')::jsonb AS payload, at FROM {stage} "
@@ -115,25 +134,36 @@ def upsert(table: Sequence[str], mode: OfferMode, at: AtFilter = "all") -> sql.C
         "w AS (INSERT INTO {table} AS t (queue, key, payload_type, payload, payload_bytes, "
         "status, scheduled_at, scheduled_at_initially, created_at, attempts) "
         "SELECT s.queue, s.key, %(payload_type)s::text, s.payload, NULL, "
-        "'pending', COALESCE(s.at, %(now)s::timestamptz), "
-        "COALESCE(s.at, %(now)s::timestamptz), %(now)s::timestamptz, 0 FROM s "
-        "WHERE {at_filter} "
+        "'pending', {scheduled}, COALESCE(s.at, %(now)s::timestamptz), "
+        "%(now)s::timestamptz, 0 FROM s "
         'ORDER BY s.queue COLLATE "C", s.key COLLATE "C" '
         "ON CONFLICT (queue, key) {mode} "
-        "RETURNING (t.xmax = 0) AS created) "
-        "SELECT count(*) FILTER (WHERE created), count(*) FILTER (WHERE NOT created) FROM w"
+        "RETURNING t.id, (t.xmax = 0) AS created, t.scheduled_at IS NULL AS untimed) "
+        "SELECT count(*) FILTER (WHERE created), count(*) FILTER (WHERE NOT created), "
+        "array_agg(id) FILTER (WHERE created AND untimed) FROM w"
     ).format(
         table=sql.Identifier(*table),
         stage=STAGE,
         order=order,
-        at_filter=at_filter,
-        mode=_mode_clause(mode, at),
+        scheduled=scheduled,
+        mode=_mode_clause(mode, marked),
     )
+
+
+def finish_untimed(table: Sequence[str]) -> sql.Composed:
+    """Give the rows :func:`upsert` created without a time their schedule (``now``).
+
+    Only rows this transaction inserted: no other transaction can hold or wait for their
+    locks, so this second statement cannot take part in a deadlock.
+    """
+    return sql.SQL(
+        "UPDATE {} SET scheduled_at = scheduled_at_initially WHERE id = ANY(%s::bigint[])"
+    ).format(sql.Identifier(*table))
 
 
 def notify(table: Sequence[str]) -> sql.Composed:
     return sql.SQL("SELECT pg_notify({}, q) FROM unnest(%s::text[]) AS q").format(
-        sql.Literal(channel_for(table[-1]))
+        sql.Literal(PostgreSQLStrategy.channel(table[-1]))
     )
 
 
@@ -143,12 +173,13 @@ def notify(table: Sequence[str]) -> sql.Composed:
 class _Slice:
     """One transaction: a staging table filled by ``COPY``, then the upsert and the commit."""
 
-    def __init__(self, conn: Any, plan: WritePlan) -> None:
+    def __init__(self, conn: Any, plan: WritePlan, partition: int) -> None:
         self.conn = conn
         self.plan = plan
+        self.partition = partition
         self.counts = Counts()
         self.queues: set[str] = set()
-        self.with_at = self.without_at = False
+        self.with_at = False
         conn.execute(stage_ddl())
         self._copy_cm = conn.cursor().copy(copy_in())
         self._copy = self._copy_cm.__enter__()
@@ -160,7 +191,6 @@ class _Slice:
         self.counts.staged += batch.num_rows
         at = batch.column(3)
         self.with_at = self.with_at or at.null_count < len(at)
-        self.without_at = self.without_at or at.null_count > 0
         if self.plan.notify:
             self.queues.update(pc.unique(batch.column(0)).to_pylist())
 
@@ -168,24 +198,61 @@ class _Slice:
         self._copy_cm.__exit__(None, None, None)
         plan = self.plan
         params = {"payload_type": plan.payload_type, "now": plan.now}
-        if plan.mode is OfferMode.REPLACE and self.with_at and self.without_at:
-            parts: list[AtFilter] = ["given", "absent"]
-        elif plan.mode is OfferMode.REPLACE and self.without_at:
-            parts = ["absent"]
-        elif plan.mode is OfferMode.REPLACE:
-            parts = ["given"]
-        else:
-            parts = ["all"]
         if self.counts.staged:
-            for part in parts:
-                cursor = self.conn.execute(upsert(plan.table, plan.mode, part), params)
-                created, updated = cursor.fetchone()
-                self.counts.created += created
-                self.counts.updated += updated
+            stmt = upsert(plan.table, plan.mode, timed=self.with_at)
+            try:
+                with self.conn.transaction():  # a savepoint: the staged rows outlive an error
+                    created, updated, untimed = self.conn.execute(stmt, params).fetchone()
+            except psycopg.errors.DataError as exc:
+                bad = first_bad_payload(self.conn)
+                if bad is None:
+                    raise
+                key, text, error = bad
+                raise InvalidArgument(
+                    f"the payload of key {key!r} in partition {self.partition} is not JSON "
+                    f"({error}): {text[:80]!r}"
+                ) from exc
+            if untimed:
+                self.conn.execute(finish_untimed(plan.table), [untimed])
+            self.counts.created += created
+            self.counts.updated += updated
             if plan.notify and (self.counts.created or self.counts.updated):
                 self.conn.execute(notify(plan.table), [sorted(self.queues)])
+        if plan.ledger is not None:
+            self.conn.execute(ledger_entry(plan.ledger), (self.counts.created, self.counts.updated))
         self.conn.commit()
         return self.counts
+
+
+def first_bad_payload(conn: Any) -> tuple[str, str, str] | None:
+    """(key, payload, error) of the first staged payload PostgreSQL cannot read as JSON.
+
+    Only after the upsert failed: it bisects the staged rows, asking PostgreSQL itself (each
+    probe in a savepoint), so "bad" means what the upsert's ``::jsonb`` means.
+    """
+    rows = conn.execute(
+        sql.SQL("SELECT key, payload FROM {} ORDER BY ctid").format(STAGE)
+    ).fetchall()
+    probe = "SELECT count(COALESCE(v, 'null')::jsonb) FROM unnest(%s::text[]) AS v"
+
+    def error(lo: int, hi: int) -> str | None:
+        try:
+            with conn.transaction():
+                conn.execute(probe, [[r[1] for r in rows[lo:hi]]])
+        except psycopg.errors.DataError as exc:
+            return str(exc).splitlines()[0]
+        return None
+
+    lo, hi = 0, len(rows)
+    if error(lo, hi) is None:
+        return None
+    while hi - lo > 1:  # rows[lo:hi] holds a bad payload
+        mid = (lo + hi) // 2
+        if error(lo, mid) is not None:
+            hi = mid
+        else:
+            lo = mid
+    return rows[lo][0], rows[lo][1] or "", error(lo, hi) or ""
 
 
 def write_partition(
@@ -199,7 +266,7 @@ def write_partition(
         conn.execute("SET temp_buffers = '64MB'")
         conn.execute("SET work_mem = '64MB'")
         conn.commit()
-        current = _Slice(conn, plan)
+        current = _Slice(conn, plan, partition)
         limit = plan.commit_every
         for raw in batches:
             batch = normalise(raw, partition)
@@ -212,7 +279,7 @@ def write_partition(
                 offset += take
                 if limit and current.counts.staged >= limit:
                     _commit(current, total, partition)
-                    current = _Slice(conn, plan)
+                    current = _Slice(conn, plan, partition)
         _commit(current, total, partition)
     return total
 
@@ -239,8 +306,10 @@ def _column_expr(name: str, as_text: bool) -> sql.Composable:
     return ident
 
 
-def select_range(plan: ReadPlan, lo: int, hi: int, *, as_text: bool = False) -> sql.Composed:
-    """The rows of ids in ``[lo, hi)``, payload fields as text.
+def select_range(
+    plan: ReadPlan, lo: int | None, hi: int | None, *, as_text: bool = False
+) -> sql.Composed:
+    """The rows of ids in ``[lo, hi)`` (``None``: no bound), payload fields as text.
 
     ``as_text`` shapes every value for a text ``COPY`` that Arrow parses: times as naive UTC,
     bytes as hex.
@@ -254,13 +323,15 @@ def select_range(plan: ReadPlan, lo: int, hi: int, *, as_text: bool = False) -> 
     # OFFSET 0 fences the id range into its own scan (primary key or heap order): otherwise a
     # table without statistics invites the (queue, scheduled_at, id) index, which would walk
     # the whole queue in due order and fetch the heap at random for every range.
-    return sql.SQL(
-        "SELECT {} FROM (SELECT * FROM {} WHERE id >= {} AND id < {} OFFSET 0) AS m WHERE {}"
-    ).format(
+    bounds: list[sql.Composable] = [sql.SQL("TRUE")]
+    if lo is not None:
+        bounds.append(sql.SQL("id >= {}").format(sql.Literal(lo)))
+    if hi is not None:
+        bounds.append(sql.SQL("id < {}").format(sql.Literal(hi)))
+    return sql.SQL("SELECT {} FROM (SELECT * FROM {} WHERE {} OFFSET 0) AS m WHERE {}").format(
         sql.SQL(", ").join(exprs),
         sql.Identifier(*plan.table),
-        sql.Literal(lo),
-        sql.Literal(hi),
+        sql.SQL(" AND ").join(bounds),
         sql.SQL(" AND ").join(conds),
     )
 
@@ -305,7 +376,7 @@ def _to_batch(table: pa.Table, schema: pa.Schema) -> pa.RecordBatch:
 
 
 def read_range(
-    spec: ConnectSpec, plan: ReadPlan, lo: int, hi: int, schema: pa.Schema
+    spec: ConnectSpec, plan: ReadPlan, lo: int | None, hi: int | None, schema: pa.Schema
 ) -> Iterator[pa.RecordBatch]:
     """Stream the rows of ids ``[lo, hi)`` as record batches of ``schema``.
 

@@ -1,6 +1,6 @@
 """``read_queue``: a queue's messages as a DataFrame, read in id ranges by the executors.
 
-The driver asks the database once for the queue's id bounds and row count, cuts the id span
+The driver asks the database once for the queue's id bounds, cuts the id span
 into equal ranges, and hands them to :class:`~._datasource.QueueDataSource`. Times come back
 as ``TIMESTAMP`` (instants, exact to the microsecond); the payload as JSON text, and chosen
 top-level payload fields as columns, extracted by the database (``payload ->> 'field'``).
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from sqlalchemy.engine import URL
 
-from .._queue import check_name
+from .._codec import check_name
 from ..errors import InvalidArgument, UnsupportedBackend
 from ..models import QUEUE_MAX
 from ._common import (
@@ -34,10 +34,10 @@ __all__ = ["read_queue"]
 
 DeadLetters = Literal["exclude", "include", "only"]
 
-#: Rows one read partition aims at when ``num_partitions`` is not given.
-ROWS_PER_PARTITION = 500_000
-#: Fewer rows than this per partition are not worth a task of their own.
-MIN_ROWS_PER_PARTITION = 20_000
+#: Ids one read partition aims at when ``num_partitions`` is not given.
+IDS_PER_PARTITION = 500_000
+#: Fewer ids than this per partition are not worth a task of their own.
+MIN_IDS_PER_PARTITION = 20_000
 
 _BASE = tuple(name for name, _ in ROW_COLUMNS)
 
@@ -66,10 +66,16 @@ def _fields(
     return fields
 
 
-def _bounds(url: str | URL, factory: ConnectionFactory | None, plan: ReadPlan) -> tuple[int, ...]:
-    """(min id, max id, rows) of what ``plan`` selects, asked on the driver."""
-    spec_backend = connect_spec(url, factory).backend
-    if spec_backend == "postgresql":
+def _bounds(
+    url: str | URL, factory: ConnectionFactory | None, plan: ReadPlan
+) -> tuple[int, int] | None:
+    """(min id, max id) of what ``plan`` selects, asked on the driver; None when nothing is.
+
+    No ``count(*)``: the tasks scan the id span whatever the number of rows in it, and on a
+    freshly written table a count would be one more full scan (the one that sets the hint bits).
+    ``min``/``max`` walk the primary key from each end.
+    """
+    if connect_spec(url, factory).is_postgresql:
         from psycopg import sql
 
         from ._pg import status_conditions
@@ -78,7 +84,7 @@ def _bounds(url: str | URL, factory: ConnectionFactory | None, plan: ReadPlan) -
         if plan.queue is not None:
             conds.append(sql.SQL("queue = {}").format(sql.Literal(plan.queue)))
         conds += status_conditions(plan.dead_letters)
-        query = sql.SQL("SELECT min(id), max(id), count(*) FROM {} WHERE {}").format(
+        query = sql.SQL("SELECT min(id), max(id) FROM {} WHERE {}").format(
             sql.Identifier(*plan.table), sql.SQL(" AND ").join(conds)
         )
         conn = driver_pg_connection(url, factory)
@@ -90,10 +96,10 @@ def _bounds(url: str | URL, factory: ConnectionFactory | None, plan: ReadPlan) -
         import sqlalchemy as sa
 
         from .._engine import create_engine
-        from ._generic import _model_class
+        from ._generic import model_class
 
-        t = _model_class(plan.table).__table__  # type: ignore[attr-defined]
-        stmt = sa.select(sa.func.min(t.c.id), sa.func.max(t.c.id), sa.func.count())
+        t = model_class(plan.table).__table__  # type: ignore[attr-defined]
+        stmt = sa.select(sa.func.min(t.c.id), sa.func.max(t.c.id))
         if plan.queue is not None:
             stmt = stmt.where(t.c.queue == plan.queue)
         if plan.dead_letters == "exclude":
@@ -109,15 +115,24 @@ def _bounds(url: str | URL, factory: ConnectionFactory | None, plan: ReadPlan) -
                 row = conn.execute(stmt).one()
         finally:
             engine.dispose()
-    lo, hi, count = row
-    return (0, 0, 0) if count == 0 else (int(lo), int(hi), int(count))
+    lo, hi = row
+    return None if lo is None else (int(lo), int(hi))
 
 
-def id_ranges(lo: int, hi: int, n: int) -> tuple[tuple[int, int], ...]:
-    """``n`` half-open ranges of equal width covering ids ``lo..hi`` (inclusive)."""
+Bounds = tuple[int | None, int | None]
+
+
+def id_ranges(lo: int, hi: int, n: int) -> tuple[Bounds, ...]:
+    """``n`` half-open ranges of equal width over ids ``lo..hi``, open at both outer ends.
+
+    The first range has no lower bound and the last no upper bound, so the ranges cover every
+    id: rows added after the call (new ids are higher) fall in the last range, and a reused
+    DataFrame reads them. Only the balance between ranges is fixed when the call plans them.
+    """
     span = hi + 1 - lo
     n = max(1, min(n, span))
-    edges = [lo + (span * i) // n for i in range(n + 1)]
+    edges: list[int | None] = [lo + (span * i) // n for i in range(n + 1)]
+    edges[0] = edges[-1] = None
     return tuple((edges[i], edges[i + 1]) for i in range(n))
 
 
@@ -143,12 +158,15 @@ def read_queue(
         (string columns) or ``{name: spark_type}`` (e.g. ``{"user_id": "long"}``); a value
         that does not convert is null.
     :param columns: which message columns to return (default: all of them).
-    :param num_partitions: how many id ranges (tasks) to read; by default one per
-        500,000 rows, at least the default parallelism, at most one per 20,000 rows.
+    :param num_partitions: how many id ranges (tasks) to read; by default one per 500,000
+        ids of the queue's id span, at least the default parallelism, at most one per 20,000.
     :param connection_factory: as for ``offer_dataframe``; also called on the driver.
 
-    The DataFrame is a snapshot per partition, taken when each task runs: cache it if you
-    use it more than once and need one consistent view.
+    Like any Spark source, the DataFrame is read again by every action: each task reads its
+    id range as it is when the task runs, and the last range is open-ended, so rows added
+    since the call are included (all in that range: call ``read_queue`` again to spread a
+    much grown queue over the tasks). ``cache()`` it for one consistent view over several
+    actions.
     """
     from pyspark.sql import functions as F
 
@@ -168,7 +186,7 @@ def read_queue(
     if num_partitions is not None and (not isinstance(num_partitions, int) or num_partitions < 1):
         raise InvalidArgument(f"num_partitions must be a positive integer, got {num_partitions!r}")
     spec = connect_spec(url, connection_factory)
-    if spec.backend not in ("postgresql", "mysql", "mariadb", "sqlite"):
+    if spec.family is None:
         raise UnsupportedBackend(f"the {spec.backend!r} backend is not supported")
     plan = ReadPlan(
         table=table_parts(table, schema),
@@ -177,11 +195,16 @@ def read_queue(
         queue=queue,
         dead_letters=dead_letters,
     )
-    lo, hi, count = _bounds(url, connection_factory, plan)
-    if num_partitions is None:
-        wanted = max(spark.sparkContext.defaultParallelism, math.ceil(count / ROWS_PER_PARTITION))
-        num_partitions = max(1, min(wanted, math.ceil(count / MIN_ROWS_PER_PARTITION)))
-    ranges = id_ranges(lo, hi, num_partitions) if count else ((0, 0),)
+    bounds = _bounds(url, connection_factory, plan)
+    if bounds is None:
+        ranges: tuple[Bounds, ...] = ((None, None),)
+    else:
+        lo, hi = bounds
+        span = hi + 1 - lo
+        if num_partitions is None:
+            wanted = max(spark.sparkContext.defaultParallelism, math.ceil(span / IDS_PER_PARTITION))
+            num_partitions = max(1, min(wanted, math.ceil(span / MIN_IDS_PER_PARTITION)))
+        ranges = id_ranges(lo, hi, num_partitions)
     types = dict(ROW_COLUMNS)
     ddl = ", ".join(
         [f"`{c}` {types[c]}" for c in chosen] + [f"`{f.replace('`', '``')}` STRING" for f in fields]

@@ -2,12 +2,15 @@
 
 The driver checks the arguments and the column types, shapes the DataFrame into four columns
 (queue, key, payload as JSON text, due time), and runs one ``mapInArrow`` job: each task opens
-its own connection, writes its partition (``_pg`` or ``_generic``) and returns one row of counts,
-which the driver sums. Nothing secret is in what the tasks receive (see ``_common``).
+its own connection, writes its partition (``_pg`` or ``_generic``) and returns one row of counts.
+On PostgreSQL the driver takes ``created`` and ``updated`` from the ledger of committed
+transactions instead (``_ledger``). Nothing secret is in what the tasks receive (see
+``_common``).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -16,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa  # type: ignore[import-untyped]
 from sqlalchemy.engine import URL
 
-from .._queue import check_name
+from .._codec import check_name
 from .._time import require_aware, system_clock
 from .._types import OfferMode
 from ..errors import InvalidArgument, UnsupportedBackend
@@ -31,6 +34,7 @@ from ._common import (
     is_utc_zone,
     table_parts,
 )
+from ._ledger import Ledger
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
@@ -47,18 +51,29 @@ _COUNTS_ARROW = pa.schema(
         ("updated", pa.int64()),
     ]
 )
-_BACKENDS = ("postgresql", "mysql", "mariadb", "sqlite")
+
+#: How struct, map and array payloads become JSON: times as UTC instants with microseconds
+#: (``2026-01-01T12:00:00.123456Z``; ``TIMESTAMP_NTZ`` as wall-clock text without a zone),
+#: whatever the session time zone, and null fields kept (``{"a": null}``, not ``{}``).
+JSON_OPTIONS = {
+    "timestampFormat": "yyyy-MM-dd'T'HH:mm:ss.SSSSSSXXX",
+    "timestampNTZFormat": "yyyy-MM-dd'T'HH:mm:ss.SSSSSS",
+    "timeZone": "UTC",
+    "ignoreNullFields": "false",
+}
 
 
 @dataclass(frozen=True)
 class OfferCounts:
     """What an :func:`offer_dataframe` call did, summed over the partitions.
 
-    The table is always exact; these counts are exact only when no task was retried.
-    Each partition reports what its successful attempt saw. If an earlier attempt committed
-    rows before it failed (or was lost after committing), the retry finds them already written
-    and counts them as ``ignored`` (or ``updated``) instead of ``created``. The
-    ``retried_partitions`` field says how many partitions that may concern.
+    On PostgreSQL the counts are exact whatever Spark ran: every write transaction reports
+    what it created and updated when it commits (see ``_ledger``), so rows that a retried,
+    speculative or lost attempt committed count as this call's, once. ``ignored`` is the rest
+    of the rows offered. On MariaDB/MySQL and SQLite each partition reports what its
+    successful attempt saw; after a retry, or with ``spark.speculation`` on, another attempt
+    may have committed rows first, and they are then counted as ``ignored`` (or ``updated``)
+    instead of ``created``: ``approximate`` says so. The table is exact either way.
     """
 
     created: int
@@ -66,18 +81,15 @@ class OfferCounts:
     ignored: int
     #: Partitions written (tasks that succeeded).
     partitions: int
-    #: Partitions whose successful attempt was a retry: their counts may be approximate.
+    #: Partitions whose successful attempt was a retry.
     retried_partitions: int
+    #: True when rows may have moved between the three counts (see above).
+    approximate: bool = False
 
     @property
     def total(self) -> int:
         """Rows offered: ``created + updated + ignored``."""
         return self.created + self.updated + self.ignored
-
-    @property
-    def approximate(self) -> bool:
-        """True when a retried task may have moved rows between the three counts."""
-        return self.retried_partitions > 0
 
 
 class PartitionWriter:
@@ -149,13 +161,13 @@ def _payload_expr(df: DataFrame, payload: str | None, columns: Sequence[str] | N
             raise InvalidArgument("payload_columns must be a non-empty list of column names")
         for c in columns:
             _column(df, c, "payload")
-        return F.to_json(F.struct(*(F.col(c) for c in columns)))
+        return F.to_json(F.struct(*(F.col(c) for c in columns)), JSON_OPTIONS)
     name = "payload" if payload is None else payload
     kind = _column(df, name, "payload")
     if isinstance(kind, T.StringType):
         return F.col(name)  # JSON text, checked by the database as it parses it
     if isinstance(kind, (T.StructType, T.MapType, T.ArrayType)):
-        return F.to_json(F.col(name))
+        return F.to_json(F.col(name), JSON_OPTIONS)
     raise InvalidArgument(
         f"payload column {name!r} is {kind.simpleString()}; give JSON text (string), a struct, "
         "map or array, or name the fields with payload_columns=[...]"
@@ -175,16 +187,29 @@ def _at_expr(df: DataFrame, at: str | None) -> Column:
         zone = df.sparkSession.conf.get("spark.sql.session.timeZone") or ""
         if not is_utc_zone(zone):
             raise InvalidArgument(
-                f"scheduled_at column {at!r} is TIMESTAMP_NTZ (no time zone) and the session "
-                f"time zone is {zone!r}, so its instants are ambiguous; set "
-                "spark.sql.session.timeZone to UTC, or convert the column to TIMESTAMP, e.g. "
-                f"F.to_utc_timestamp(F.col({at!r}), 'Europe/Paris').cast('timestamp')"
+                f"scheduled_at column {at!r} is TIMESTAMP_NTZ (wall-clock times without a "
+                f"zone) and the session time zone is {zone!r}, so the instants are ambiguous; "
+                "convert the column to TIMESTAMP, naming the zone its times are in, e.g. "
+                f"`{wall_clock_recipe(at, zone)}` (right under any session time zone), or set "
+                "spark.sql.session.timeZone to UTC if they are UTC times"
             )
         return F.col(at)  # naive values, read as UTC
     raise InvalidArgument(
         f"scheduled_at column {at!r} is {kind.simpleString()}; it must be TIMESTAMP "
         "(or TIMESTAMP_NTZ under a UTC session time zone); parse strings with F.to_timestamp"
     )
+
+
+def wall_clock_recipe(column: str, zone: str) -> str:
+    """A PySpark expression that reads wall-clock ``column`` (TIMESTAMP_NTZ) in ``zone``.
+
+    The text of the value with the zone appended, cast to ``TIMESTAMP``: the zone in the text
+    decides the instant, so the session time zone plays no part (``F.to_utc_timestamp``
+    would apply the session zone first, then the given one). Across a DST change the offset
+    of each value's own date applies; a time that is skipped or repeated takes the earlier
+    offset.
+    """
+    return f"F.concat(F.col({column!r}).cast('string'), F.lit(' {zone}')).cast('timestamp')"
 
 
 def _queue_expr(df: DataFrame, queue: str | None, queue_column: str | None) -> Column:
@@ -240,15 +265,127 @@ def offer_dataframe(
         first; otherwise the DataFrame's own partitions are written as they are.
     :param commit_every: commit every this many rows of a partition instead of once at its end.
     :param connection_factory: a zero-argument callable run on the executors that returns a
-        connection (psycopg 3 on PostgreSQL, a DB-API connection elsewhere).
+        connection (psycopg 3 on PostgreSQL, a DB-API connection elsewhere); on PostgreSQL
+        the driver also calls it once, for the connection that collects the counts.
     :param notify: on PostgreSQL, ``NOTIFY`` the queue's workers when a partition commits.
     :param now: the creation time (and the time of rows with no schedule); default: now.
     :param after_commit: called on the executor after each commit with the partition number
         and the rows that task has committed so far (for progress, or fault injection).
 
-    Safe to run again: rows already there as offered are ``ignored``. See :class:`OfferCounts`
-    for why counts are approximate after retried tasks.
+    Safe to run again: rows already there as offered are ``ignored``. On PostgreSQL the counts
+    are exact whichever task attempts committed; elsewhere they may be approximate after a
+    retry (see :class:`OfferCounts`). A bad row (null or over-long key, payload that is not
+    JSON) fails its partition's transaction and the call, with an :class:`InvalidArgument`
+    naming the row.
     """
+    with prepare_offer(
+        df,
+        url,
+        queue,
+        key=key,
+        payload=payload,
+        payload_columns=payload_columns,
+        scheduled_at=scheduled_at,
+        queue_column=queue_column,
+        mode=mode,
+        table=table,
+        schema=schema,
+        payload_type=payload_type,
+        partitions=partitions,
+        commit_every=commit_every,
+        connection_factory=connection_factory,
+        notify=notify,
+        now=now,
+        after_commit=after_commit,
+    ) as call:
+        return call.run()
+
+
+@dataclass
+class OfferCall:
+    """One ``offer_dataframe`` call, prepared on the driver: run it once, inside ``with``.
+
+    ``prepared`` is the four-column DataFrame the tasks write; ``spec`` and ``plan`` are what
+    they receive. On PostgreSQL the ledger listens from before the job starts (see
+    ``_ledger``), so it hears every transaction any attempt of any task commits. Tests use
+    the split to run a copy of a task with the call's own plan, as speculation would.
+    """
+
+    prepared: DataFrame
+    spec: ConnectSpec
+    plan: WritePlan
+    ledger: Ledger | None
+    speculation: bool
+
+    def __enter__(self) -> OfferCall:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.ledger is not None:
+            self.ledger.close()
+
+    def run(self) -> OfferCounts:
+        writer = PartitionWriter(self.spec, self.plan)
+        try:
+            rows = self.prepared.mapInArrow(writer, _COUNTS_SCHEMA).collect()
+        except Exception as exc:
+            refusal = executor_refusal(exc)
+            if refusal is not None:
+                raise InvalidArgument(refusal) from exc
+            raise
+        offered = sum(r.staged for r in rows)
+        retried = sum(1 for r in rows if r.attempt > 0)
+        settled = self.ledger.settle() if self.ledger is not None else None
+        if settled is not None:
+            created, updated = settled
+            approximate = created + updated > offered  # input that differs between attempts
+            updated = min(updated, offered - min(created, offered))
+            created = min(created, offered)
+        else:
+            created = sum(r.created for r in rows)
+            updated = sum(r.updated for r in rows)
+            approximate = retried > 0 or self.speculation
+        return OfferCounts(
+            created=created,
+            updated=updated,
+            ignored=offered - created - updated,
+            partitions=len(rows),
+            retried_partitions=retried,
+            approximate=approximate,
+        )
+
+
+_REFUSAL = re.compile(r"sqla_delayedq\.errors\.InvalidArgument: (.+)")
+
+
+def executor_refusal(exc: BaseException) -> str | None:
+    """The message of an ``InvalidArgument`` a task raised (bad input), if that failed the job."""
+    found = _REFUSAL.findall(str(exc))
+    return found[-1].strip() if found else None
+
+
+def prepare_offer(
+    df: DataFrame,
+    url: str | URL,
+    queue: str | None = None,
+    *,
+    key: str = "key",
+    payload: str | None = None,
+    payload_columns: Sequence[str] | None = None,
+    scheduled_at: str | None = None,
+    queue_column: str | None = None,
+    mode: OfferMode | str = OfferMode.REPLACE,
+    table: str = "delayed_queue",
+    schema: str | None = None,
+    payload_type: str = "json",
+    partitions: int | None = None,
+    commit_every: int | None = None,
+    connection_factory: ConnectionFactory | None = None,
+    notify: bool = True,
+    now: datetime | None = None,
+    after_commit: Callable[[int, int], None] | None = None,
+) -> OfferCall:
+    """Check the arguments and shape the DataFrame; the arguments of :func:`offer_dataframe`."""
     from pyspark.sql import DataFrame
 
     if not isinstance(df, DataFrame):
@@ -262,20 +399,11 @@ def offer_dataframe(
     if partitions is not None and (not isinstance(partitions, int) or partitions < 1):
         raise InvalidArgument(f"partitions must be a positive integer, got {partitions!r}")
     spec = connect_spec(url, connection_factory)
-    if spec.backend not in _BACKENDS:
+    if spec.family is None:
         raise UnsupportedBackend(
             f"the {spec.backend!r} backend is not supported; use PostgreSQL, MariaDB/MySQL "
             "or SQLite"
         )
-    plan = WritePlan(
-        table=table_parts(table, schema),
-        mode=mode,
-        payload_type=payload_type,
-        now=system_clock() if now is None else require_aware(now, "now"),
-        commit_every=commit_every,
-        notify=notify,
-        after_commit=after_commit,
-    )
     prepared = df.select(
         _queue_expr(df, queue, queue_column).alias("queue"),
         _key_expr(df, key).alias("key"),
@@ -284,14 +412,18 @@ def offer_dataframe(
     )
     if partitions is not None:
         prepared = prepared.repartition(partitions, "queue", "key")
-    rows = prepared.mapInArrow(PartitionWriter(spec, plan), _COUNTS_SCHEMA).collect()
-    staged = sum(r.staged for r in rows)
-    created = sum(r.created for r in rows)
-    updated = sum(r.updated for r in rows)
-    return OfferCounts(
-        created=created,
-        updated=updated,
-        ignored=staged - created - updated,
-        partitions=len(rows),
-        retried_partitions=sum(1 for r in rows if r.attempt > 0),
+    speculation = (df.sparkSession.conf.get("spark.speculation", "false") or "").lower() == "true"
+    parts = table_parts(table, schema)
+    now = system_clock() if now is None else require_aware(now, "now")
+    ledger = Ledger.open(url, connection_factory) if spec.is_postgresql else None
+    plan = WritePlan(
+        table=parts,
+        mode=mode,
+        payload_type=payload_type,
+        now=now,
+        commit_every=commit_every,
+        notify=notify,
+        after_commit=after_commit,
+        ledger=None if ledger is None else ledger.channel,
     )
+    return OfferCall(prepared, spec, plan, ledger, speculation)
