@@ -29,10 +29,10 @@ from ._cli_base import (
     filter_options,
     has_conditions,
     json_option,
-    open_db,
     progress,
     queues_option,
 )
+from ._cli_target import open_db
 from ._types import MessageFilter
 
 UTC = timezone.utc
@@ -67,7 +67,7 @@ def run_chunked(
             last: int | None = None
             while True:
                 with db.sessions() as s, s.begin():
-                    cond = queue._where(select_filter, queue.now())
+                    cond = queue.condition(select_filter, queue.now())
                     stmt = select(t.c.id).where(cond).order_by(t.c.id).limit(chunk)
                     if last is not None:
                         stmt = stmt.where(t.c.id > last)
@@ -125,6 +125,7 @@ def resolve_when(at: datetime | None, delay: timedelta | None) -> datetime | Non
 @click.pass_context
 def retry(
     ctx: click.Context,
+    app: str | None,
     url: str | None,
     table: str,
     queues: tuple[str, ...],
@@ -138,7 +139,7 @@ def retry(
     Exits 1 when a key is not a dead message.
     """
     when = resolve_when(at, delay)
-    db = open_db(ctx, url, table)
+    db = open_db(ctx, url, table, app=app, queues=queues)
     names = db.resolve_queues(queues)
     where = MessageFilter(keys=tuple(dict.fromkeys(keys)))
     dead = MessageFilter(state="dead", keys=where.keys)
@@ -173,6 +174,7 @@ def retry(
 @click.pass_context
 def requeue(
     ctx: click.Context,
+    app: str | None,
     url: str | None,
     table: str,
     queues: tuple[str, ...],
@@ -189,7 +191,7 @@ def requeue(
     """
     when = resolve_when(at, delay)
     f = replace(build_filter(key_prefix=key_prefix, where=where), state="dead")
-    db = open_db(ctx, url, table)
+    db = open_db(ctx, url, table, app=app, queues=queues)
     counts = count_matching(db, db.resolve_queues(queues), f)
     changed = 0
     if not dry_run:
@@ -236,6 +238,7 @@ def describe(f: MessageFilter, queues: Sequence[str]) -> str:
 @click.pass_context
 def drop(
     ctx: click.Context,
+    app: str | None,
     url: str | None,
     table: str,
     queues: tuple[str, ...],
@@ -261,7 +264,7 @@ def drop(
         raise BadInput("say what to drop: KEYS, --state, --key-prefix, --where, or --all with -q")
     if everything and not queues:
         raise BadInput("--all needs the queue(s) named with -q")
-    db = open_db(ctx, url, table)
+    db = open_db(ctx, url, table, app=app, queues=queues)
     names = db.resolve_queues(queues)
     counts = count_matching(db, names, f)
     total = sum(counts.values())
@@ -292,6 +295,7 @@ def drop(
 @click.pass_context
 def reschedule(
     ctx: click.Context,
+    app: str | None,
     url: str | None,
     table: str,
     queues: tuple[str, ...],
@@ -317,7 +321,7 @@ def reschedule(
     # Only messages the library will move: pending and not in flight.
     if f.state is None:
         f = replace(f, state="pending")
-    db = open_db(ctx, url, table)
+    db = open_db(ctx, url, table, app=app, queues=queues)
     names = db.resolve_queues(queues)
     counts = count_matching(db, names, f)
     changed = run_chunked(

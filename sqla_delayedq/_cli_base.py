@@ -26,6 +26,7 @@ from typing import Any, NoReturn, TypeVar, cast
 
 import click
 import sqlalchemy as sa
+from click.core import ParameterSource
 from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -34,7 +35,8 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 
-from ._queue import DelayedQueue, check_name
+from ._codec import RawCodec, check_name
+from ._queue import DelayedQueue
 from ._types import MessageFilter, MessageInfo, State
 from .errors import DelayedQueueError, InvalidArgument
 from .models import NAMING_CONVENTION, QUEUE_MAX, DelayedMessage, QueueMessageMixin
@@ -43,6 +45,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 URL_ENV_VAR = "DELAYEDQ_DATABASE_URL"
 TABLE_ENV_VAR = "DELAYEDQ_TABLE"
+APP_ENV_VAR = "DELAYEDQ_APP"
 DEBUG_ENV_VAR = "DELAYEDQ_DEBUG"
 INSTALL_HINT = "pip install 'sqla_delayedq[cli]'"
 UTC = timezone.utc
@@ -234,16 +237,26 @@ def url_option(f: F) -> F:
     )(f)
 
 
-def db_options(f: F) -> F:
-    """``--url`` and ``--table``."""
-    f = click.option(
+def table_option(f: F) -> F:
+    return click.option(
         "--table",
         envvar=TABLE_ENV_VAR,
         default=DelayedMessage.__tablename__,
         show_default=True,
         help=f"The message table (or ${TABLE_ENV_VAR}).",
     )(f)
-    return url_option(f)
+
+
+def db_options(f: F) -> F:
+    """``--app``, ``--url`` and ``--table``."""
+    f = click.option(
+        "--app",
+        envvar=APP_ENV_VAR,
+        metavar="MODULE:ATTR",
+        help="Your Worker or AsyncWorker (or a function returning one): the database and the "
+        f"table come from it and its queues (or ${APP_ENV_VAR}).",
+    )(f)
+    return url_option(table_option(f))
 
 
 def json_option(f: F) -> F:
@@ -304,12 +317,9 @@ ALL_STATES = tuple(s.value for s in State)
 class RawQueue(DelayedQueue[Any]):
     """A queue for inspection: shows stored payloads whatever their serializer or type name."""
 
-    def _decode(self, row: Any) -> Any:
-        if row.payload is not None:
-            return row.payload
-        if row.payload_bytes is not None:
-            return bytes(row.payload_bytes)
-        return None
+    def __init__(self, name: str, **kwargs: Any) -> None:
+        super().__init__(name, **kwargs)
+        self.codec = RawCodec(self.serializer)
 
 
 @functools.cache
@@ -373,7 +383,7 @@ def require_url(url: str | None) -> str:
     return url
 
 
-def create_db_engine(url: str, **kwargs: Any) -> Engine:
+def create_db_engine(url: str | sa.URL, **kwargs: Any) -> Engine:
     """:func:`sqla_delayedq.create_engine`, with a missing driver reported as a one-liner."""
     from ._engine import create_engine
 
@@ -386,23 +396,59 @@ def create_db_engine(url: str, **kwargs: Any) -> Engine:
         ) from exc
 
 
-def open_db(
-    ctx: click.Context, url: str | None, table: str, *, check_table: bool = True, **kwargs: Any
-) -> Db:
-    """Connect (the engine is disposed when the command ends) and check the table exists."""
-    url = require_url(url)
-    engine = create_db_engine(url, **kwargs)
-    ctx.call_on_close(engine.dispose)
-    db = Db(url, table, engine, sessionmaker(engine), model_for(table))
-    if check_table:
-        with engine.connect() as conn:
-            exists = sa.inspect(conn).has_table(table)
-        if not exists:
-            where = engine.url.render_as_string(hide_password=True)
-            raise RuntimeFailure(
-                f"table {table!r} does not exist in {where}; create it with 'delayedq db upgrade'"
+def given(ctx: click.Context, name: str) -> bool:
+    """Whether the user set parameter ``name`` (on the command line or in the environment)."""
+    source = ctx.get_parameter_source(name)
+    return source in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+
+
+#: Every column of a message table (QueueMessageMixin).
+MESSAGE_COLUMNS = tuple(c.name for c in DelayedMessage.__table__.columns)
+#: The column that marks a table made with EntityQueueMixin.
+ENTITY_COLUMN = "queue_next_attempt_at"
+
+
+def check_message_table(db: Db, *, from_app: bool = False) -> None:
+    """The table exists and is a message table; else one line of advice that fits."""
+    with db.engine.connect() as conn:
+        problem = table_problem(conn, db.table, from_app=from_app)
+    if problem is not None:
+        raise RuntimeFailure(problem)
+
+
+def table_problem(conn: sa.Connection, t: sa.Table, *, from_app: bool = False) -> str | None:
+    """Why ``t`` cannot serve as a message table on ``conn`` (None when it can).
+
+    A missing table gets the advice that fits whose table it is: ours (``delayed_queue``, made by
+    ``delayedq db upgrade``) or the application's (its own migrations). A table made with
+    ``EntityQueueMixin``, or any table without the message columns, is named as such.
+    """
+    inspector = sa.inspect(conn)
+    where = conn.engine.url.render_as_string(hide_password=True)
+    if not inspector.has_table(t.name, schema=t.schema):
+        if t.name == DelayedMessage.__tablename__:
+            advice = "create it with 'delayedq db upgrade'"
+        else:
+            advice = (
+                "it is your application's table: create it with your own migrations "
+                "(e.g. alembic upgrade head)"
             )
-    return db
+        return f"table {t.name!r} does not exist in {where}; {advice}"
+    columns = {c["name"] for c in inspector.get_columns(t.name, t.schema)}
+    missing = [c for c in MESSAGE_COLUMNS if c not in columns]
+    if not missing:
+        return None
+    if ENTITY_COLUMN in columns:
+        return (
+            f"table {t.name!r} is an entity-queue table (it has {ENTITY_COLUMN}, from "
+            "EntityQueueMixin), not a message table: the delayedq commands read tables made "
+            "with QueueMessageMixin; count entity queues with EntityQueue.counts() in your code"
+        )
+    advice = "; migrate it to your model (e.g. alembic upgrade head)" if from_app else ""
+    return (
+        f"table {t.name!r} in {where} is not a message table: it lacks the "
+        f"QueueMessageMixin column{'s' if len(missing) > 1 else ''} {', '.join(missing)}{advice}"
+    )
 
 
 # -- output ------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """``delayedq cron ls`` and ``delayedq db upgrade|current``.
 
-The migrations are the repository's ``alembic/`` directory, found next to the package (a source
-checkout or an editable install); ``--script-location`` or ``$DELAYEDQ_ALEMBIC_DIR`` points
-elsewhere. Shipping the scripts inside the package would make ``db upgrade`` work from a wheel.
+The ``db`` commands run the migrations that ship inside the package
+(:mod:`sqla_delayedq.migrations`), so they work from a pip install; the revision is recorded in
+their own version table, never in an application's ``alembic_version``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import argparse
 import io
 import sys
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import click
@@ -27,16 +26,14 @@ from ._cli_base import (
     iso,
     json_option,
     new_table,
-    open_db,
     out,
     queues_option,
     require_url,
     url_option,
 )
+from ._cli_target import open_db
 
 UTC = timezone.utc
-ALEMBIC_ENV_VAR = "DELAYEDQ_ALEMBIC_DIR"
-REPO_ALEMBIC = Path(__file__).resolve().parent.parent / "alembic"
 
 # -- cron --------------------------------------------------------------------------------------
 
@@ -54,6 +51,7 @@ def cron() -> None:
 @click.pass_context
 def cron_ls(
     ctx: click.Context,
+    app: str | None,
     url: str | None,
     table: str,
     queues: tuple[str, ...],
@@ -63,7 +61,7 @@ def cron_ls(
     """Cron configurations by prefix and config hash, with their next tick and tick counts."""
     from .cron import list_cron
 
-    db = open_db(ctx, url, table)
+    db = open_db(ctx, url, table, app=app, queues=queues)
     names = db.resolve_queues(queues)
     with db.sessions() as s:
         infos = [(q, info) for q in names for info in list_cron(s, db.queue(q), prefix)]
@@ -130,69 +128,65 @@ def db() -> None:
     """Create or upgrade the default message table with the package's Alembic migrations."""
 
 
-def script_location_option(f: Any) -> Any:
-    return click.option(
-        "--script-location",
-        envvar=ALEMBIC_ENV_VAR,
-        type=click.Path(file_okay=False, path_type=Path),
-        help=f"The Alembic directory (default: the repository's alembic/; or ${ALEMBIC_ENV_VAR}).",
-    )(f)
-
-
-def alembic_config(url: str, script_location: Path | None, stdout: Any) -> Any:
-    """An Alembic Config built in code: ``script_location`` and ``-x url=...`` for env.py."""
+def alembic_config(url: str, stdout: Any) -> Any:
+    """An Alembic Config built in code: the packaged migrations and ``-x url=...`` for env.py."""
     from alembic.config import Config
 
-    location = script_location or REPO_ALEMBIC
-    if not (location / "env.py").is_file():
-        raise RuntimeFailure(
-            f"no Alembic environment at {location} (no env.py); "
-            f"pass --script-location or set ${ALEMBIC_ENV_VAR}"
-        )
+    from .migrations import SCRIPT_DIR
+
     config = Config(stdout=stdout, cmd_opts=argparse.Namespace(x=[f"url={url}"]))
-    config.set_main_option("script_location", str(location).replace("%", "%%"))
+    config.set_main_option("script_location", str(SCRIPT_DIR).replace("%", "%%"))
     config.attributes["configure_logger"] = False
     return config
 
 
 def revisions(url: str, config: Any) -> tuple[list[str], list[str]]:
-    """(the database's current revisions, the scripts' heads)."""
+    """(the database's current revisions, the scripts' heads).
+
+    A message table with no recorded revision belongs to another Alembic history (a host project
+    that runs these revisions in its own) or to ``create_all``: upgrading here would create it
+    twice, so say so instead.
+    """
     from alembic.migration import MigrationContext
     from alembic.script import ScriptDirectory
 
+    from .migrations import BRANCH, VERSION_TABLE
+    from .models import DelayedMessage
+
     heads = sorted(ScriptDirectory.from_config(config).get_heads())
+    table = DelayedMessage.__tablename__
     engine = create_db_engine(url, poolclass=sa.NullPool)
     try:
         with engine.connect() as conn:
-            current = sorted(MigrationContext.configure(conn).get_current_heads())
+            context = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
+            current = sorted(context.get_current_heads())
+            unrecorded = not current and sa.inspect(conn).has_table(table)
     finally:
         engine.dispose()
+    if unrecorded:
+        raise RuntimeFailure(
+            f"table '{table}' exists but {VERSION_TABLE} records no revision: it was created "
+            f"by another Alembic history (upgrade it there: alembic upgrade {BRANCH}@head) "
+            "or by create_all"
+        )
     return current, heads
 
 
 @db.command()
 @url_option
-@script_location_option
 @click.argument("revision", default="head")
 @click.option("--sql", is_flag=True, help="Print the SQL instead of running it (offline mode).")
 @json_option
-def upgrade(
-    url: str | None,
-    script_location: Path | None,
-    revision: str,
-    sql: bool,
-    as_json: bool,
-) -> None:
+def upgrade(url: str | None, revision: str, sql: bool, as_json: bool) -> None:
     """Upgrade the database to REVISION (default: head), creating the message table."""
     from alembic.command import upgrade as alembic_upgrade
     from alembic.util import CommandError
 
     url = require_url(url)
     if sql:
-        config = alembic_config(url, script_location, sys.stdout)
-        alembic_upgrade(config, revision, sql=True)
+        alembic_upgrade(alembic_config(url, sys.stdout), revision, sql=True)
         return
-    config = alembic_config(url, script_location, io.StringIO())
+    config = alembic_config(url, io.StringIO())
     before, _ = revisions(url, config)
     try:
         alembic_upgrade(config, revision)
@@ -209,15 +203,14 @@ def upgrade(
 
 @db.command()
 @url_option
-@script_location_option
 @json_option
-def current(url: str | None, script_location: Path | None, as_json: bool) -> None:
+def current(url: str | None, as_json: bool) -> None:
     """The database's migration revision, and whether it is at head."""
     from alembic.command import current as alembic_current
 
     url = require_url(url)
     buffer = io.StringIO()
-    config = alembic_config(url, script_location, buffer)
+    config = alembic_config(url, buffer)
     cur, heads = revisions(url, config)
     if as_json:
         emit_json({"current": cur, "heads": heads, "up_to_date": cur == heads})

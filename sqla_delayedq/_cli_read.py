@@ -31,12 +31,12 @@ from ._cli_base import (
     json_option,
     message_dict,
     new_table,
-    open_db,
     out,
     queues_option,
     short,
 )
 from ._cli_stats import QueueStats, queue_stats
+from ._cli_target import open_db
 from ._types import MessageFilter, MessageInfo
 
 UTC = timezone.utc
@@ -102,6 +102,7 @@ def stats_table(stats: Sequence[QueueStats]) -> Table:
 @click.pass_context
 def stats(
     ctx: click.Context,
+    app: str | None,
     url: str | None,
     table: str,
     queues: tuple[str, ...],
@@ -111,7 +112,7 @@ def stats(
 ) -> None:
     """Per queue: messages due now, scheduled later, in flight, dead, done, and the lag of the
     oldest due message. Counts come from indexes, so this stays fast on big tables."""
-    db = open_db(ctx, url, table)
+    db = open_db(ctx, url, table, app=app, queues=queues)
     if watch is None:
         now = datetime.now(UTC)
         result = collect_stats(db, queues, missing_ok=missing_ok)
@@ -178,6 +179,7 @@ def messages_table(messages: Sequence[MessageInfo], *, payload: bool) -> Table:
 def list_command(
     ctx: click.Context,
     *,
+    app: str | None,
     url: str | None,
     table: str,
     queues: tuple[str, ...],
@@ -192,7 +194,7 @@ def list_command(
     f = build_filter(state=state, key_prefix=key_prefix, where=where)
     if search and not has_conditions(f):
         raise BadInput("search needs a filter: --state, --key-prefix or --where (or use 'ls')")
-    db = open_db(ctx, url, table)
+    db = open_db(ctx, url, table, app=app, queues=queues)
     names = db.resolve_queues(queues)
     messages = find_messages(db, names, f, limit + 1, after_id)
     more = len(messages) > limit
@@ -290,6 +292,7 @@ def details_table(m: MessageInfo) -> Table:
 @click.pass_context
 def show(
     ctx: click.Context,
+    app: str | None,
     url: str | None,
     table: str,
     queues: tuple[str, ...],
@@ -297,7 +300,7 @@ def show(
     as_json: bool,
 ) -> None:
     """Everything about the message stored under KEY: schedule, attempts, payload, last error."""
-    db = open_db(ctx, url, table)
+    db = open_db(ctx, url, table, app=app, queues=queues)
     names = db.resolve_queues(queues)
     with db.sessions() as s:
         found = [m for m in (db.queue(q).get(s, key) for q in names) if m is not None]

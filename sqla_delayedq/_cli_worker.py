@@ -1,30 +1,53 @@
-"""``delayedq worker module:handler``: run a :class:`~sqla_delayedq.worker.Worker` until SIGTERM.
+"""``delayedq worker TARGET``: run the user's worker, or a handler function, until SIGTERM.
 
-On SIGTERM or SIGINT the worker takes nothing new, lets in-flight handlers finish (up to
-``--drain-timeout``), releases what could not finish, and exits 0; it exits 1 when it had to
-release messages of handlers that did not finish in time.
+TARGET is ``module:attr``:
+
+- a :class:`~sqla_delayedq.worker.Worker` or :class:`~sqla_delayedq.aio.AsyncWorker` built in
+  the user's code (or a function without arguments returning one): run as it is, with its own
+  queues, models, serializers, leases, retry policies, handlers and sessionmaker. Flags that
+  would contradict those objects are refused, never silently dropped or applied;
+- the quick form, a plain handler function with ``-q NAME``: the queues are built from the
+  flags (default table, JSON payloads unless ``--serializer``, exponential backoff).
+
+On SIGTERM or SIGINT the worker takes nothing new, lets in-flight handlers finish (up to its
+drain timeout), releases what could not finish, and exits 0; it exits 1 when it had to release
+messages of handlers that did not finish in time, and 1 with one line when the worker stopped on
+an error it must not retry (the traceback is in the log).
 """
 
 from __future__ import annotations
 
-import importlib
+import asyncio
 import logging
-import os
 import sys
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, cast
 
 import click
+from click.core import ParameterSource
+from sqlalchemy import Engine, Table
 from sqlalchemy.orm import sessionmaker
 
 from ._cli_base import (
+    URL_ENV_VAR,
     BadInput,
     RuntimeFailure,
-    db_options,
     duration_option,
-    open_db,
     queues_option,
+    table_option,
+    table_problem,
+    url_option,
 )
+from ._cli_target import (
+    AppDatabase,
+    article,
+    as_worker,
+    import_object,
+    is_factory,
+    is_worker,
+    open_db,
+)
+from ._handlers import is_async_callable
 from ._queue import DelayedQueue
 from .retry import ExponentialBackoff
 from .serializers import BytesSerializer, JsonSerializer, Serializer
@@ -34,26 +57,25 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sqla_delayedq.cli")
 
-
-def import_handler(spec: str) -> Any:
-    """``package.module:function`` (or ``module:object.method``) -> the callable."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise BadInput(f"handler {spec!r} is not module:function (e.g. myapp.tasks:handle)")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())  # like `python -m`: the project's modules are importable
-    try:
-        target: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise BadInput(f"cannot import handler module {module_name!r}: {exc}") from exc
-    for part in attr.split("."):
-        try:
-            target = getattr(target, part)
-        except AttributeError:
-            raise BadInput(f"module {module_name!r} has no attribute {attr!r}") from None
-    if not callable(target):
-        raise BadInput(f"handler {spec!r} is not callable")
-    return target
+#: The flags that configure a worker the quick form builds, and where a worker of one's own
+#: sets the same thing instead.
+WORKER_SETTINGS = {
+    "url": "its sessionmaker's engine",
+    "table": "its queues' model",
+    "queues": "the queues registered on it",
+    "concurrency": "Worker(concurrency=...)",
+    "mode": "register(..., mode=...)",
+    "lease": "DelayedQueue(lease=...) or register(..., lease=...)",
+    "poll_interval": "Worker(poll_interval=...)",
+    "batch_size": "Worker(batch_size=...) or register_batch",
+    "max_attempts": "DelayedQueue(retry=ExponentialBackoff(max_attempts=...))",
+    "handler_timeout": "register(..., handler_timeout=...)",
+    "drain_timeout": "Worker(drain_timeout=...)",
+    "serializer": "DelayedQueue(serializer=...)",
+    "payload_type": "DelayedQueue(serializer=...)",
+    "no_listen": "Worker(listen=False)",
+    "otel": "Worker(hooks=OtelHooks()) and register(queue, traced_handler(handler))",
+}
 
 
 def serializer_for(kind: str, type_name: str | None) -> Serializer[Any]:
@@ -90,10 +112,125 @@ def metrics_hooks(
     return hooks[0] if len(hooks) == 1 else metrics.CompositeHooks(*hooks)
 
 
+def configure_logging(ctx: click.Context, level: str) -> None:
+    """Log to stderr at ``level``; an explicit ``--log-level`` also wins over the app's own."""
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if ctx.get_parameter_source("log_level") is ParameterSource.COMMANDLINE:
+        logging.getLogger().setLevel(level.upper())
+
+
+def refuse_worker_flags(ctx: click.Context, target: str) -> None:
+    """One line naming every flag given that a worker of the user's own already decides."""
+    given = [
+        name
+        for name in WORKER_SETTINGS
+        if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
+    ]
+    if not given:
+        return
+    opts = {p.name: p.opts for p in ctx.command.params}
+    flags = [max(opts[name], key=len) for name in given]
+    where = "; ".join(dict.fromkeys(WORKER_SETTINGS[name] for name in given))
+    verb, them = ("does", "it") if len(flags) == 1 else ("do", "them")
+    raise BadInput(
+        f"{', '.join(flags)} {verb} not apply to {target}, a worker built in your code: "
+        f"set {them} on your Worker ({where})"
+    )
+
+
+def ignore_environment(ctx: click.Context, target: str) -> None:
+    """``$DELAYEDQ_DATABASE_URL`` and ``$DELAYEDQ_TABLE`` serve the other commands: say so."""
+    for name, var in (("url", URL_ENV_VAR), ("table", "DELAYEDQ_TABLE")):
+        if ctx.get_parameter_source(name) is ParameterSource.ENVIRONMENT:
+            log.info("$%s is not used: %s uses %s", var, target, WORKER_SETTINGS[name])
+
+
+def hook_metrics(worker: Any, target: str, port: int) -> AppDatabase:
+    """Serve Prometheus metrics for a user's worker: its hooks are kept and ours added."""
+
+    app = AppDatabase(worker, target)
+    tables = app.tables()
+    if len(tables) > 1:
+        app.close()
+        raise BadInput(
+            f"--metrics-port reports the queues of one table; those of {target} live in "
+            f"{', '.join(tables)}: serve metrics from your code (sqla_delayedq.metrics)"
+        )
+    (queues,) = tables.values()
+    table: Table = queues[0].table
+    hooks = metrics_hooks(app.sessions, table, [q.name for q in queues], port, otel=False)
+    worker.add_hooks(hooks)
+    return app
+
+
+def check_tables(bind: Any, tables: list[Table]) -> None:
+    """Before running: each table exists and is a message table (advice when not)."""
+    if not isinstance(bind, Engine):
+        return  # a sessionmaker without one engine: the worker finds out itself
+    with bind.connect() as conn:
+        for t in tables:
+            problem = table_problem(conn, t, from_app=True)
+            if problem is not None:
+                raise RuntimeFailure(problem)
+
+
+async def check_tables_async(bind: Any, tables: list[Table]) -> None:
+    """:func:`check_tables` through an ``AsyncWorker``'s own engine and driver."""
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+    if not isinstance(bind, AsyncEngine):
+        return
+    async with bind.connect() as conn:
+        for t in tables:
+            problem = await conn.run_sync(table_problem, t, from_app=True)
+            if problem is not None:
+                raise RuntimeFailure(problem)
+
+
+def run_user_worker(ctx: click.Context, target: str, worker: Any, metrics_port: int | None) -> None:
+    from .worker import Worker
+
+    app = hook_metrics(worker, target, metrics_port) if metrics_port is not None else None
+    if app is not None:
+        ctx.call_on_close(app.close)
+    queues: tuple[DelayedQueue[Any], ...] = tuple(worker.queues)
+    log.info(
+        "running %s: %s serving %s",
+        target,
+        type(worker).__name__,
+        ", ".join(f"{q.name} ({q.table.name})" for q in queues) or "no queue",
+    )
+    tables = list({q.table.key: q.table for q in queues}.values())
+    if isinstance(worker, Worker):
+        check_tables(worker.sessions.kw.get("bind"), tables)
+        drained = worker.run()
+    else:
+
+        async def main() -> bool:
+            bind = worker.sessions.kw.get("bind")
+            try:
+                await check_tables_async(bind, tables)
+                return bool(await worker.run())
+            finally:
+                if hasattr(bind, "dispose"):  # close the pool while its event loop runs
+                    await bind.dispose()
+
+        drained = asyncio.run(main())
+    if not drained:
+        log.warning("some handlers did not finish within the drain timeout; released them")
+        ctx.exit(1)
+    log.info("stopped cleanly")
+
+
 @click.command()
-@db_options
-@click.argument("handler")
-@queues_option("A queue to consume (repeatable).", required=True)
+@url_option
+@table_option
+@click.argument("target", metavar="TARGET")
+@queues_option("A queue to consume (repeatable); quick form only.")
 @click.option("--concurrency", "-c", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option(
     "--mode",
@@ -117,8 +254,12 @@ def metrics_hooks(
 @click.option("--serializer", type=click.Choice(["json", "bytes"]), default="json")
 @click.option("--payload-type", help="The serializer's type name (default: json / bytes).")
 @click.option("--no-listen", is_flag=True, help="Do not LISTEN for offers (PostgreSQL).")
-@click.option("--metrics-port", type=click.IntRange(0, 65535), help="Serve Prometheus metrics.")
-@click.option("--otel", is_flag=True, help="OpenTelemetry spans and metrics (global providers).")
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    help="Serve Prometheus metrics (added to a worker's own hooks).",
+)
+@click.option("--otel", is_flag=True, help="OpenTelemetry spans and metrics (quick form only).")
 @click.option(
     "--log-level",
     type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
@@ -130,7 +271,7 @@ def worker(
     ctx: click.Context,
     url: str | None,
     table: str,
-    handler: str,
+    target: str,
     queues: tuple[str, ...],
     concurrency: int,
     mode: str,
@@ -147,20 +288,71 @@ def worker(
     otel: bool,
     log_level: str,
 ) -> None:
-    """Run HANDLER (module:function) on the messages of the queues given with -q.
+    """Run TARGET: your Worker or AsyncWorker, or (quick form) a handler function with -q.
 
-    Example: delayedq worker myapp.tasks:handle -q emails --concurrency 4 --lease 5m
+    \b
+    delayedq worker myapp.jobs:worker          a Worker/AsyncWorker built in your code, as is
+    delayedq worker myapp.jobs:make_worker     a function without arguments returning one
+    delayedq worker myapp.tasks:handle -q emails --concurrency 4 --lease 5m
+                                               quick form: the queue is built from the flags
     """
+    obj = import_object(target, "TARGET")
+    if is_worker(obj) or is_factory(obj):
+        refuse_worker_flags(ctx, target)
+        user_worker = as_worker(obj, target, "TARGET")
+        configure_logging(ctx, log_level)
+        ignore_environment(ctx, target)
+        run_user_worker(ctx, target, user_worker, metrics_port)
+        return
+    if is_async_callable(obj):
+        raise BadInput(
+            f"{target} is an async function: the quick form runs plain functions on threads; "
+            "build an AsyncWorker (sqla_delayedq.aio) in your code, register it there and "
+            "pass module:worker"
+        )
+    if not callable(obj):
+        raise BadInput(
+            f"TARGET {target!r} is {article(type(obj).__name__)}: pass a Worker, an AsyncWorker, a "
+            "function returning one, or a handler function with -q"
+        )
+    if not queues:
+        raise BadInput(
+            "Missing option '--queue' / '-q': the quick form module:function consumes the "
+            "queues named with -q (or pass module:worker, a Worker built in your code)"
+        )
+    params = {k: v for k, v in ctx.params.items() if k != "target"}
+    run_quick_form(ctx, target=target, fn=obj, **params)
+
+
+def run_quick_form(
+    ctx: click.Context,
+    *,
+    url: str | None,
+    table: str,
+    target: str,
+    fn: Any,
+    queues: tuple[str, ...],
+    concurrency: int,
+    mode: str,
+    lease: timedelta,
+    poll_interval: timedelta,
+    batch_size: int,
+    max_attempts: int,
+    handler_timeout: timedelta | None,
+    drain_timeout: timedelta,
+    serializer: str,
+    payload_type: str | None,
+    no_listen: bool,
+    metrics_port: int | None,
+    otel: bool,
+    log_level: str,
+) -> None:
+    """A Worker built from the flags, with ``fn`` on every queue named with ``-q``."""
     from .worker import Worker
 
     if lease <= timedelta(0) or poll_interval <= timedelta(0):
         raise BadInput("--lease and --poll-interval must be greater than 0")
-    fn = import_handler(handler)
-    logging.basicConfig(
-        level=log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(ctx, log_level)
     db = open_db(ctx, url, table, pool_size=concurrency + 4, max_overflow=concurrency)
     names = list(dict.fromkeys(queues))
     if otel:
@@ -186,7 +378,7 @@ def worker(
             retry=ExponentialBackoff(max_attempts=max_attempts),
         )
         w.register(queue, fn, mode=cast("Mode", mode), lease=lease, handler_timeout=handler_timeout)
-    log.info("consuming %s with %s (%s mode)", ", ".join(names), handler, mode)
+    log.info("consuming %s with %s (%s mode)", ", ".join(names), target, mode)
     drained = w.run()
     if not drained:
         log.warning("some handlers did not finish within the drain timeout; released them")

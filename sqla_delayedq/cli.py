@@ -2,7 +2,8 @@
 
 ::
 
-    delayedq worker myapp.tasks:handle -q emails --concurrency 4 --mode lease --lease 5m
+    delayedq worker myapp.jobs:worker       # your Worker or AsyncWorker, run as you built it
+    delayedq worker myapp.tasks:handle -q emails --concurrency 4 --lease 5m   # quick form
     delayedq stats                          # per queue: due, scheduled, in flight, dead, lag
     delayedq ls -q emails --state dead      # list; `search` adds payloads and a count
     delayedq search -q invoices --where companyId=3345
@@ -13,7 +14,9 @@
     delayedq cron ls
     delayedq db upgrade
 
-The database URL comes from ``--url`` or ``$DELAYEDQ_DATABASE_URL``. Human output is tables;
+The database URL comes from ``--url`` or ``$DELAYEDQ_DATABASE_URL``, and the table from
+``--table``; or both from the user's worker with ``--app myapp.jobs:worker`` (``$DELAYEDQ_APP``).
+Human output is tables;
 ``--json`` gives stable keys and ISO 8601 UTC datetimes. Bad input exits 2 and other failures
 exit 1, each with one line on stderr. The commands are built with click and rich; without them
 :func:`main` prints how to install them. ``import sqla_delayedq`` never imports either.

@@ -38,3 +38,8 @@ def failing(envelope: Envelope[Any]) -> None:
 
 
 not_callable = 42
+
+
+async def async_handler(envelope: Envelope[Any]) -> None:
+    """What the quick form must refuse: the thread worker would never await it."""
+    _note(f"async {envelope.key}")

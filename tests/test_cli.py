@@ -24,7 +24,7 @@ import sqlalchemy as sa
 from click.testing import CliRunner, Result
 from sqlalchemy.engine import URL
 
-from sqla_delayedq import DelayedQueue, ExponentialBackoff
+from sqla_delayedq import DelayedMessage, DelayedQueue, ExponentialBackoff
 from sqla_delayedq import _cli_admin as cli_admin
 from sqla_delayedq.cli import cli
 from tests.fix_db import Backend
@@ -44,10 +44,13 @@ def url_of(url: URL) -> str:
     return url.render_as_string(hide_password=False)
 
 
-def invoke(url: str | None, *args: str, input: str | None = None) -> Result:
-    env: dict[str, str | None] = {"COLUMNS": "200", "DELAYEDQ_DEBUG": None}
-    env["DELAYEDQ_DATABASE_URL"] = url
-    return CliRunner().invoke(cli, list(args), input=input, env=env, catch_exceptions=False)
+def invoke(
+    url: str | None, *args: str, input: str | None = None, env: dict[str, str] | None = None
+) -> Result:
+    environ: dict[str, str | None] = {"COLUMNS": "200", "DELAYEDQ_DEBUG": None}
+    environ["DELAYEDQ_DATABASE_URL"] = url
+    environ.update(env or {})
+    return CliRunner().invoke(cli, list(args), input=input, env=environ, catch_exceptions=False)
 
 
 @pytest.fixture
@@ -578,35 +581,53 @@ def test_cron_ls(backend: Backend, run: Run) -> None:
 # -- db ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fresh_database", ["sqlite", "postgresql"], indirect=True)
+def packaged_head() -> str:
+    from alembic.script import ScriptDirectory
+
+    from sqla_delayedq.migrations import SCRIPT_DIR
+
+    head = ScriptDirectory(str(SCRIPT_DIR)).get_current_head()
+    assert head is not None
+    return head
+
+
+@pytest.mark.parametrize("fresh_database", ["sqlite", "postgresql", "mariadb"], indirect=True)
 def test_db_upgrade_and_current(fresh_database: tuple[str, URL]) -> None:
     _, url = fresh_database
-    u = url_of(url)
+    u, head = url_of(url), packaged_head()
     result = invoke(u, "db", "current")
     assert result.exit_code == 0, result.output
     assert "not initialised" in result.stdout
     assert json.loads(invoke(u, "db", "current", "--json").stdout)["up_to_date"] is False
     result = invoke(u, "db", "upgrade")
     assert result.exit_code == 0, result.output
-    assert result.stdout.strip() == "upgraded base -> 0001"
-    assert invoke(u, "db", "upgrade").stdout.strip() == "already at 0001"
+    assert result.stdout.strip() == f"upgraded base -> {head}"
+    assert invoke(u, "db", "upgrade").stdout.strip() == f"already at {head}"
     doc = json.loads(invoke(u, "db", "current", "--json").stdout)
-    assert doc == {"current": ["0001"], "heads": ["0001"], "up_to_date": True}
-    assert "0001 (head)" in invoke(u, "db", "current").stdout
+    assert doc == {"current": [head], "heads": [head], "up_to_date": True}
+    assert f"{head} (head)" in invoke(u, "db", "current").stdout
     assert "no messages" in invoke(u, "stats").stdout
+    tables = set(sa.inspect(sa.create_engine(url, poolclass=sa.NullPool)).get_table_names())
+    assert tables == {"delayed_queue", "alembic_version_sqla_delayedq"}  # not alembic_version
 
 
 def test_db_upgrade_sql_prints_the_ddl(tmp_path: Path) -> None:
     result = invoke(f"sqlite:///{tmp_path / 'x.sqlite'}", "db", "upgrade", "--sql")
     assert result.exit_code == 0, result.output
     assert "CREATE TABLE delayed_queue" in result.stdout
+    assert "CREATE TABLE alembic_version_sqla_delayedq" in result.stdout
     assert not (tmp_path / "x.sqlite").exists() or (tmp_path / "x.sqlite").stat().st_size == 0
 
 
-def test_db_commands_need_an_alembic_directory(tmp_path: Path) -> None:
+def test_db_upgrade_refuses_a_table_another_history_created(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'x.sqlite'}"
-    result = invoke(url, "db", "upgrade", "--script-location", str(tmp_path))
-    assert_one_line_error(result, 1, "no Alembic environment")
+    engine = sa.create_engine(url, poolclass=sa.NullPool)
+    DelayedMessage.metadata.create_all(engine)
+
+    for command in ("upgrade", "current"):
+        result = invoke(url, "db", command)
+        assert_one_line_error(result, 1, "table 'delayed_queue' exists", "sqla_delayedq@head")
+    assert set(sa.inspect(engine).get_table_names()) == {"delayed_queue"}
 
 
 # -- worker ------------------------------------------------------------------------------------
@@ -615,17 +636,22 @@ def test_db_commands_need_an_alembic_directory(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [
-        (["tests.cli_handlers", "-q", "q"], "is not module:function"),
-        (["tests.nope:handle", "-q", "q"], "cannot import handler module 'tests.nope'"),
+        (["tests.cli_handlers", "-q", "q"], "is not module:attribute"),
+        (["tests.nope:handle", "-q", "q"], "cannot import module 'tests.nope'"),
         (["tests.cli_handlers:nope", "-q", "q"], "has no attribute 'nope'"),
-        (["tests.cli_handlers:not_callable", "-q", "q"], "is not callable"),
+        (["tests.cli_handlers:not_callable", "-q", "q"], "is an int: pass a Worker"),
         (["tests.cli_handlers:slow"], "Missing option '--queue'"),
+        (["tests.cli_app:make_nothing"], "make_nothing() returned int"),
+        (["tests.cli_app:jobs"], "returned DelayedQueue"),
         (["tests.cli_handlers:slow", "-q", "q", "--mode", "fast"], "'fast' is not one of"),
         (["tests.cli_handlers:slow", "-q", "q", "--lease", "0"], "must be greater than 0"),
         (["tests.cli_handlers:slow", "-q", "q", "--concurrency", "0"], "--concurrency"),
     ],
 )
-def test_worker_bad_input(args: list[str], fragment: str, tmp_path: Path) -> None:
+def test_worker_bad_input(
+    args: list[str], fragment: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DELAYEDQ_TEST_APP_URL", f"sqlite:///{tmp_path / 'app.sqlite'}")
     result = invoke(f"sqlite:///{tmp_path / 'x.sqlite'}", "worker", *args)
     assert_one_line_error(result, 2, fragment)
 
@@ -730,3 +756,408 @@ def test_worker_records_failures(
     (m,) = json.loads(invoke(url_of(backend.url), "show", "job-1", "--json").stdout)["messages"]
     assert m["state"] == "dead"
     assert "RuntimeError: cannot handle job-1" in m["last_error"]
+
+
+# -- worker TARGET: a worker of one's own --------------------------------------------------------
+
+APP_URL_VAR = "DELAYEDQ_TEST_APP_URL"
+
+
+@pytest.fixture
+def app_tables(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """tests.cli_app's tables in the backend's database, and its URL in its setting."""
+    monkeypatch.setenv(APP_URL_VAR, url_of(backend.url))
+    from tests import cli_app
+
+    cli_app.Base.metadata.create_all(backend.engine)
+    try:
+        yield
+    finally:
+        cli_app.Base.metadata.drop_all(backend.engine)
+
+
+def offer_orders(backend: Backend, *keys: str) -> None:
+    from tests.cli_app import Order, audit, jobs
+
+    q = jobs()
+    with backend.Session() as s, s.begin():
+        for i, key in enumerate(keys, 1):
+            if key.startswith("audit/"):
+                audit().offer(s, key, {"n": i})
+            else:
+                q.offer(s, key, Order(i, 1234 * i))
+
+
+def app_rows(backend: Backend) -> dict[str, tuple[str, int]]:
+    with backend.engine.connect() as conn:
+        t = sa.table("app_jobs", sa.column("key"), sa.column("status"), sa.column("attempts"))
+        return {r.key: (r.status, r.attempts) for r in conn.execute(sa.select(t))}
+
+
+def wait_for_prefix(
+    events: Path, prefix: str, proc: subprocess.Popen[str], timeout: float = 60
+) -> str:
+    """The first event line starting with ``prefix``, once it is written."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if events.exists():
+            for line in events.read_text().splitlines():
+                if line.startswith(prefix):
+                    return line
+        if proc.poll() is not None:
+            pytest.fail(f"worker exited with {proc.returncode}: {proc.communicate()[1]}")
+        time.sleep(0.05)
+    pytest.fail(f"no event starting {prefix!r} in {timeout} s")
+
+
+def wait_until(check: Callable[[], bool], what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"not {what} after {timeout} s")
+        time.sleep(0.05)
+
+
+def handled(line: str) -> tuple[str, str, int, float]:
+    """``handled KEY TYPE TOTAL LEASE`` -> (key, payload type, total in cents, lease left)."""
+    _, key, type_name, total, lease = line.split()
+    return key, type_name, int(total), float(lease)
+
+
+def stop(proc: subprocess.Popen[str], sig: int = signal.SIGTERM) -> str:
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=60)
+    return stderr
+
+
+@on_all_backends
+def test_worker_runs_a_worker_of_ones_own_with_its_lease_serializer_and_retry_policy(
+    backend: Backend,
+    app_tables: None,
+    events: Path,
+    start_worker: Callable[..., subprocess.Popen[str]],
+) -> None:
+    offer_orders(backend, "o/1", "fail/2")
+    proc = start_worker("tests.cli_app:worker")
+    key, type_name, total, lease = handled(wait_for_prefix(events, "handled o/1 ", proc))
+    # The app's serializer decoded {"id": 1, "total": "12.34"} into an Order; its 2-hour lease
+    # (not the command line's 300 s default) was in force when the handler started.
+    assert (key, type_name, total) == ("o/1", "Order", 1234)
+    assert 7000 < lease <= 7200
+    wait_for_prefix(events, "handled fail/2 ", proc)
+    # The app's retry policy (one attempt) made it dead at once; the default would retry it.
+    wait_until(lambda: app_rows(backend).get("fail/2") == ("dead", 1), "dead after 1 attempt")
+    wait_until(lambda: "o/1" not in app_rows(backend), "o/1 acknowledged")
+    stderr = stop(proc)
+    assert proc.returncode == 0, stderr
+    assert "running tests.cli_app:worker: Worker serving jobs (app_jobs)" in stderr
+    assert "stopped cleanly" in stderr
+    assert sorted(line.split()[1] for line in events.read_text().splitlines()) == ["fail/2", "o/1"]
+
+
+@on_all_backends
+def test_worker_runs_an_async_worker_a_function_of_ones_own_returns(
+    backend: Backend,
+    app_tables: None,
+    events: Path,
+    start_worker: Callable[..., subprocess.Popen[str]],
+) -> None:
+    offer_orders(backend, "o/1")
+    proc = start_worker("tests.cli_app:make_async_worker")
+    key, type_name, total, lease = handled(wait_for_prefix(events, "handled o/1 ", proc))
+    assert (key, type_name, total) == ("o/1", "Order", 1234)
+    assert 7000 < lease <= 7200
+    wait_until(lambda: app_rows(backend) == {}, "o/1 acknowledged")
+    stderr = stop(proc, signal.SIGINT)
+    assert proc.returncode == 0, stderr
+    assert "AsyncWorker serving jobs (app_jobs)" in stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "flags"),
+    [
+        (["-q", "jobs"], "--queue"),
+        (["--mode", "transactional"], "--mode"),
+        (["--lease", "5m"], "--lease"),
+        (["--serializer", "bytes"], "--serializer"),
+        (["--payload-type", "order"], "--payload-type"),
+        (["--max-attempts", "3"], "--max-attempts"),
+        (["--batch-size", "10"], "--batch-size"),
+        (["--handler-timeout", "1m"], "--handler-timeout"),
+        (["--url", "sqlite://"], "--url"),
+        (["--table", "app_jobs"], "--table"),
+        (["--concurrency", "8"], "--concurrency"),
+        (["-c", "8"], "--concurrency"),
+        (["--poll-interval", "1"], "--poll-interval"),
+        (["--drain-timeout", "1"], "--drain-timeout"),
+        (["--no-listen"], "--no-listen"),
+        (["--otel"], "--otel"),
+    ],
+)
+@pytest.mark.parametrize("target", ["tests.cli_app:empty_worker", "tests.cli_app:make_worker"])
+def test_worker_refuses_flags_that_a_worker_of_ones_own_decides(
+    args: list[str], flags: str, target: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # empty_worker fails at once if it is ever run, and make_worker is never called: a flag that
+    # is not refused ends the test with another error instead of running a worker.
+    monkeypatch.setenv(APP_URL_VAR, f"sqlite:///{tmp_path / 'app.sqlite'}")
+    result = invoke(None, "worker", target, *args)
+    assert_one_line_error(result, 2, f"{flags} does not apply to {target}", "set it on your Worker")
+    assert not (tmp_path / "app.sqlite").exists()
+
+
+def test_worker_names_every_refused_flag_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(APP_URL_VAR, f"sqlite:///{tmp_path / 'app.sqlite'}")
+    result = invoke(None, "worker", "tests.cli_app:empty_worker", "--lease", "5m", "-q", "jobs")
+    assert_one_line_error(
+        result,
+        2,
+        "--queue, --lease do not apply",
+        "set them on your Worker (the queues registered on it; DelayedQueue(lease=...)",
+    )
+
+
+@pytest.mark.parametrize("args", [["-q", "q"], []])
+def test_worker_refuses_an_async_function_and_says_to_build_an_async_worker(
+    args: list[str], tmp_path: Path
+) -> None:
+    result = invoke(
+        f"sqlite:///{tmp_path / 'x.sqlite'}", "worker", "tests.cli_handlers:async_handler", *args
+    )
+    assert_one_line_error(
+        result, 2, "is an async function", "build an AsyncWorker", "pass module:worker"
+    )
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indirect=True)
+def test_worker_that_stops_on_an_error_exits_1_with_one_line(
+    backend: Backend,
+    app_tables: None,
+    events: Path,
+    start_worker: Callable[..., subprocess.Popen[str]],
+) -> None:
+    from tests import cli_app
+
+    offer_orders(backend, "o/1")
+    proc = start_worker("tests.cli_app:worker")
+    wait_for_prefix(events, "handled o/1 ", proc)
+    table: sa.Table = cli_app.JobMessage.__table__  # type: ignore[assignment]
+    table.drop(backend.engine)  # under the running worker
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 1, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("Error: delayedq-worker stopped on an error it cannot retry: "), last
+    assert "app_jobs" in last
+    assert "Traceback" in stderr  # logged by the worker before the one-line error
+
+
+@pytest.mark.parametrize(
+    "target", [["tests.cli_app:worker"], ["tests.cli_handlers:slow", "-q", "jobs"]]
+)
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_worker_log_level_applies_to_both_forms(
+    backend: Backend,
+    app_tables: None,
+    events: Path,
+    start_worker: Callable[..., subprocess.Popen[str]],
+    target: list[str],
+) -> None:
+    offer_orders(backend, "o/1")
+    with backend.Session() as s, s.begin():
+        DelayedQueue[Any]("jobs").offer(s, "job-1", {"sleep": 0})
+    proc = start_worker(*target, "--log-level", "WARNING")
+    wait_for_prefix(events, "handled o/1" if "cli_app" in target[0] else "done job-1", proc)
+    stderr = stop(proc)
+    assert proc.returncode == 0, stderr
+    assert "INFO" not in stderr and "stopped cleanly" not in stderr, stderr
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_worker_metrics_port_adds_prometheus_to_a_worker_of_ones_own(
+    backend: Backend,
+    app_tables: None,
+    events: Path,
+    start_worker: Callable[..., subprocess.Popen[str]],
+) -> None:
+    import urllib.request
+
+    offer_orders(backend, "o/1", "fail/2")
+    port = free_port()
+    proc = start_worker("tests.cli_app:worker", "--metrics-port", str(port))
+    wait_for_prefix(events, "handled fail/2 ", proc)
+    expected = (
+        'delayedq_processed_total{queue="jobs"} 1.0',
+        'delayedq_dead_total{queue="jobs"} 1.0',
+        'delayedq_messages{queue="jobs",state="dead"} 1.0',
+    )
+
+    def scraped() -> bool:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        return all(line in text.splitlines() for line in expected)
+
+    wait_until(scraped, "the worker's counts and the app table's depth in /metrics")
+    stderr = stop(proc)
+    assert proc.returncode == 0, stderr
+
+
+# -- --app: the table and the database of one's own worker ---------------------------------------
+
+
+@on_all_backends
+@pytest.mark.parametrize("app", ["tests.cli_app:make_worker", "tests.cli_app:make_async_worker"])
+def test_app_commands_read_the_table_of_ones_own_worker(
+    backend: Backend, app_tables: None, app: str
+) -> None:
+    offer_orders(backend, "o/1", "o/2")
+
+    def app_json(*args: str, env: dict[str, str] | None = None) -> Any:
+        # A database URL in the environment that would fail: --app brings the app's engine.
+        result = invoke("nosuchdialect://x", *args, "--json", env=env)
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
+
+    doc = app_json("stats", "--app", app)
+    assert doc["table"] == "app_jobs"
+    assert [(q["queue"], q["due"]) for q in doc["queues"]] == [("jobs", 2)]
+    doc = app_json("ls", "--app", app)
+    assert [(m["key"], m["payload_type"]) for m in doc["messages"]] == [
+        ("o/1", "order"),
+        ("o/2", "order"),
+    ]
+    (m,) = app_json("show", "o/2", "--app", app)["messages"]
+    assert m["payload"] == {"id": 2, "total": "24.68"}  # as the app's serializer stored it
+    doc = app_json("stats", env={"DELAYEDQ_APP": app})
+    assert doc["table"] == "app_jobs"
+    assert run_json(lambda *a: invoke(url_of(backend.url), *a), "stats")["queues"] == []
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indirect=True)
+def test_app_admin_commands_change_the_table_of_ones_own_worker(
+    backend: Backend, app_tables: None
+) -> None:
+    offer_orders(backend, "o/1", "o/2")
+    app = "tests.cli_app:make_worker"
+    result = invoke(None, "reschedule", "--app", app, "o/1", "--in", "1h", "--json")
+    assert json.loads(result.stdout)["changed"] == 1, result.output
+    result = invoke(None, "drop", "--app", app, "o/2", "--yes", "--json")
+    assert json.loads(result.stdout)["changed"] == 1, result.output
+    assert app_rows(backend) == {"o/1": ("pending", 0)}
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indirect=True)
+def test_app_cron_ls_reads_the_table_of_ones_own_worker(backend: Backend, app_tables: None) -> None:
+    from sqla_delayedq.cron import CronConfig, PeriodicTick, install_tick
+    from tests.cli_app import JobMessage
+
+    config = CronConfig("reports", PeriodicTick(timedelta(minutes=10)))
+    with backend.Session() as s, s.begin():
+        queue = DelayedQueue[Any]("cron", model=JobMessage)
+        install_tick(s, queue, config, lookahead=timedelta(hours=1))
+    result = invoke(None, "cron", "ls", "--app", "tests.cli_app:make_worker", "--json")
+    assert result.exit_code == 0, result.output
+    (entry,) = json.loads(result.stdout)["cron"]
+    assert (entry["queue"], entry["prefix"], entry["config_hash"]) == (
+        "cron",
+        "reports",
+        config.config_hash,
+    )
+
+
+@on_all_backends
+def test_app_with_queues_in_two_tables_picks_by_queue_or_table(
+    backend: Backend, app_tables: None
+) -> None:
+    offer_orders(backend, "o/1", "audit/2")
+    app = "tests.cli_app:make_two_table_worker"
+
+    def app_run(*args: str) -> Result:
+        return invoke(None, *args, "--app", app)
+
+    assert_one_line_error(
+        app_run("stats"), 2, "live in several tables (app_jobs: jobs; app_audit: audit)", "-q"
+    )
+    doc = json.loads(app_run("stats", "-q", "audit", "--json").stdout)
+    assert (doc["table"], [q["queue"] for q in doc["queues"]]) == ("app_audit", ["audit"])
+    doc = json.loads(app_run("ls", "--table", "app_jobs", "--json").stdout)
+    assert [m["key"] for m in doc["messages"]] == ["o/1"]
+    assert_one_line_error(app_run("stats", "--table", "nope"), 2, "holds none of the queues")
+    assert_one_line_error(app_run("stats", "-q", "mail"), 2, "'mail' is not a queue of")
+    assert_one_line_error(
+        invoke(None, "stats", "--app", app, "--url", url_of(backend.url)), 2, "--url and --app"
+    )
+
+
+@pytest.mark.parametrize(
+    ("app", "fragment"),
+    [
+        ("tests.cli_app", "is not module:attribute"),
+        ("tests.cli_app:nope", "has no attribute 'nope'"),
+        ("tests.cli_app:jobs", "returned DelayedQueue"),
+        ("tests.cli_app:URL_VAR", "is a str; it must be a Worker"),
+        ("tests.cli_app:handle", "is a function that takes arguments"),
+    ],
+)
+def test_app_must_name_a_worker(
+    app: str, fragment: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(APP_URL_VAR, f"sqlite:///{tmp_path / 'app.sqlite'}")
+    assert_one_line_error(invoke(None, "ls", "--app", app), 2, fragment)
+
+
+# -- tables that are missing or are not message tables -----------------------------------------
+
+
+@pytest.mark.parametrize("fresh_database", ["sqlite", "postgresql", "mariadb"], indirect=True)
+def test_a_missing_table_gets_advice_that_fits_it(
+    fresh_database: tuple[str, URL], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    u = url_of(fresh_database[1])
+    result = invoke(u, "stats")
+    assert_one_line_error(
+        result, 1, "table 'delayed_queue' does not exist", "create it with 'delayedq db upgrade'"
+    )
+    own = "it is your application's table: create it with your own migrations " + (
+        "(e.g. alembic upgrade head)"
+    )
+    assert_one_line_error(
+        invoke(u, "ls", "--table", "outbox_messages"), 1, "'outbox_messages' does not exist", own
+    )
+    monkeypatch.setenv(APP_URL_VAR, u)
+    result = invoke(None, "show", "k", "--app", "tests.cli_app:make_worker")
+    assert_one_line_error(result, 1, "table 'app_jobs' does not exist", own)
+    assert "db upgrade" not in result.stderr
+    # The worker checks its tables before it starts, through its own engine and driver.
+    for target in ("tests.cli_app:make_worker", "tests.cli_app:make_async_worker"):
+        result = invoke(None, "worker", target)
+        assert_one_line_error(result, 1, "table 'app_jobs' does not exist", own)
+
+
+@on_all_backends
+def test_an_entity_table_or_a_domain_table_is_refused_in_one_line(
+    backend: Backend, app_tables: None, run: Run
+) -> None:
+    for command in (["stats"], ["ls"], ["show", "k"], ["drop", "--all", "-q", "q", "--yes"]):
+        assert_one_line_error(
+            run(*command, "--table", "app_shipments"),
+            1,
+            "table 'app_shipments' is an entity-queue table",
+            "queue_next_attempt_at",
+            "not a message table",
+        )
+    assert_one_line_error(
+        run("ls", "--table", "app_customers"),
+        1,
+        "table 'app_customers'",
+        "is not a message table: it lacks the QueueMessageMixin columns queue, key, payload_type",
+    )

@@ -1,0 +1,1 @@
+"""A host application that uses sqla_delayedq from its installed wheel."""

@@ -1,0 +1,16 @@
+"""A producer process: ``python produce.py FIRST COUNT`` offers invoices FIRST.. with a customer
+row each, in one transaction, and prints how many it offered."""
+
+from __future__ import annotations
+
+import sys
+
+from hostapp.jobs import Invoice, Session, invoices
+from hostapp.models import Customer
+
+first, count = int(sys.argv[1]), int(sys.argv[2])
+with Session() as session, session.begin():
+    for n in range(first, first + count):
+        session.add(Customer(name=f"customer {n}"))
+        invoices.offer(session, f"invoice/{n}", Invoice(f"2030-{n:04}", 1000 * n + 99))
+print(f"offered {count}")
