@@ -19,6 +19,7 @@ from __future__ import annotations
 from ._dialects import is_transient
 from ._engine import configure_sqlite, create_engine
 from ._queue import DelayedQueue, OfferInput
+from ._transaction import run_in_transaction
 from ._types import (
     Delivery,
     Envelope,
@@ -47,14 +48,16 @@ from .cron import (
     uninstall,
     uninstall_tick,
 )
-from .entity import EntityCounts, EntityLease, EntityQueue, EntityQueueMixin, EntityStatus
+from .entity import EntityCounts, EntityQueue, EntityQueueMixin, EntityStatus
 from .errors import (
     ConfirmationRequired,
     DecodeError,
     DelayedQueueError,
     EncodeError,
     InvalidArgument,
+    TransientError,
     UnsupportedBackend,
+    WorkerError,
 )
 from .models import DelayedMessage, QueueMessageMixin
 from .retry import ExponentialBackoff, RetryPolicy
@@ -80,7 +83,6 @@ __all__ = [
     "Delivery",
     "EncodeError",
     "EntityCounts",
-    "EntityLease",
     "EntityQueue",
     "EntityQueueMixin",
     "EntityStatus",
@@ -102,12 +104,15 @@ __all__ = [
     "RetryPolicy",
     "Serializer",
     "State",
+    "TransientError",
     "UnsupportedBackend",
+    "WorkerError",
     "configure_sqlite",
     "create_engine",
     "install_tick",
     "is_transient",
     "list_cron",
+    "run_in_transaction",
     "uninstall",
     "uninstall_tick",
 ]

@@ -13,7 +13,10 @@ from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import ColumnElement
 
+from . import _filters as flt
 from . import _statements as st
+from ._codec import Codec
+from ._dialects import transient_as_ours
 from ._time import require_aware, require_duration
 from ._types import MessageFilter, MessageInfo, QueueCounts, State
 from .errors import ConfirmationRequired, DecodeError, InvalidArgument
@@ -32,14 +35,16 @@ class AdminMixin:
     retention: timedelta | None
     clock: Clock
 
+    codec: Codec[Any]
+
     if TYPE_CHECKING:
 
         def now(self) -> datetime: ...
-        def _decode(self, row: Any) -> Any: ...
 
     # -- read side -----------------------------------------------------------------------
 
-    def _where(self, f: MessageFilter | None, now: datetime) -> ColumnElement[bool]:
+    def condition(self, f: MessageFilter | None, now: datetime) -> ColumnElement[bool]:
+        """The SQL condition of a filter on this queue at ``now`` (validated, all bound)."""
         f = f or MessageFilter()
         if not isinstance(f, MessageFilter):
             raise InvalidArgument(f"filter must be a MessageFilter, got {type(f).__name__}")
@@ -56,7 +61,7 @@ class AdminMixin:
                     f"payload filter {name!r}: only str, int, float and bool values are "
                     "supported; use MessageFilter(where=...) for anything else"
                 )
-        return st.filter_clause(
+        return flt.filter_clause(
             self.table,
             self.name,
             now,
@@ -76,7 +81,7 @@ class AdminMixin:
     def _info(self, row: Any, now: datetime) -> MessageInfo:
         payload, problem = None, None
         try:
-            payload = self._decode(row)
+            payload = self.codec.decode(row)
         except DecodeError as exc:
             problem = str(exc)
         if row.status != "pending":
@@ -105,29 +110,36 @@ class AdminMixin:
             decode_error=problem,
         )
 
+    @transient_as_ours
     def get(self, session: Session, key: str) -> MessageInfo | None:
         """The message stored under ``key``, in any state, or None."""
         row = session.execute(st.select_by_key(self.table, self.name, key)).first()
         return None if row is None else self._info(row, self.now())
 
+    @transient_as_ours
     def contains(self, session: Session, key: str) -> bool:
         """Whether ``key`` is pending (due, scheduled or in flight) in this queue."""
         t = self.table
         stmt = select(t.c.id).where(t.c.queue == self.name, t.c.key == key, t.c.status == "pending")
         return session.execute(stmt).first() is not None
 
+    @transient_as_ours
     def counts(self, session: Session) -> QueueCounts:
         """How many messages are due, scheduled, in flight, dead and done."""
-        row = session.execute(st.count_by_state(self.table, self.name, self.now())).one()
+        row = session.execute(flt.count_by_state(self.table, self.name, self.now())).one()
         return QueueCounts(*(int(v) for v in row))
 
+    @transient_as_ours
     def oldest_due(self, session: Session) -> datetime | None:
         """The due time of the oldest due message (its lag is ``now - oldest_due``)."""
         t = self.table
-        stmt = select(func.min(t.c.scheduled_at)).where(st.due_filter(t, self.name, self.now()))
+        stmt = select(func.min(t.c.scheduled_at)).where(
+            st.due_filter(st.message_shape(t), self.name, self.now())
+        )
         value: datetime | None = session.execute(stmt).scalar()
         return value
 
+    @transient_as_ours
     def search(
         self,
         session: Session,
@@ -141,25 +153,30 @@ class AdminMixin:
             raise InvalidArgument(f"limit must be >= 1, got {limit}")
         t = self.table
         now = self.now()
-        stmt = select(*st.columns(t)).where(self._where(where, now)).order_by(t.c.id).limit(limit)
+        stmt = (
+            select(*st.columns(t)).where(self.condition(where, now)).order_by(t.c.id).limit(limit)
+        )
         if after_id is not None:
             stmt = stmt.where(t.c.id > after_id)
         return [self._info(r, now) for r in session.execute(stmt)]
 
+    @transient_as_ours
     def count(self, session: Session, where: MessageFilter | None = None) -> int:
         """How many messages match ``where``."""
         t = self.table
-        stmt = select(func.count()).select_from(t).where(self._where(where, self.now()))
+        stmt = select(func.count()).select_from(t).where(self.condition(where, self.now()))
         return int(session.execute(stmt).scalar_one())
 
     # -- admin side ----------------------------------------------------------------------
 
+    @transient_as_ours
     def drop(self, session: Session, key: str) -> bool:
         """Delete the message stored under ``key``; False when there was none."""
         t = self.table
         stmt = delete(t).where(t.c.queue == self.name, t.c.key == key)
         return bool(st.affected(session, stmt))
 
+    @transient_as_ours
     def drop_where(self, session: Session, where: MessageFilter) -> int:
         """Delete every message matching ``where``; returns how many."""
         if where is None or _is_empty(where):
@@ -167,9 +184,10 @@ class AdminMixin:
                 "drop_where needs at least one condition; use drop_all(confirm=...) to empty "
                 "the queue"
             )
-        stmt = delete(self.table).where(self._where(where, self.now()))
+        stmt = delete(self.table).where(self.condition(where, self.now()))
         return st.affected(session, stmt)
 
+    @transient_as_ours
     def drop_all(self, session: Session, *, confirm: str | None = None) -> int:
         """Delete every message of the queue. ``confirm`` must repeat the queue's name."""
         if confirm != self.name:
@@ -180,6 +198,7 @@ class AdminMixin:
         t = self.table
         return st.affected(session, delete(t).where(t.c.queue == self.name))
 
+    @transient_as_ours
     def reschedule(
         self, session: Session, target: str | MessageFilter, at: datetime | None = None
     ) -> int:
@@ -192,14 +211,15 @@ class AdminMixin:
         t = self.table
         if isinstance(target, str):
             target = MessageFilter(keys=(target,))
-        not_in_flight = st.state_clause(t, "in_flight", now)
+        not_in_flight = flt.state_clause(t, "in_flight", now)
         stmt = (
             update(t)
-            .where(self._where(target, now), t.c.status == "pending", ~not_in_flight)
+            .where(self.condition(target, now), t.c.status == "pending", ~not_in_flight)
             .values(scheduled_at=when, lock_token=None)
         )
         return st.affected(session, stmt)
 
+    @transient_as_ours
     def requeue_dead(
         self, session: Session, where: MessageFilter | None = None, at: datetime | None = None
     ) -> int:
@@ -209,11 +229,12 @@ class AdminMixin:
         t = self.table
         stmt = (
             update(t)
-            .where(self._where(where, now), t.c.status == "dead")
+            .where(self.condition(where, now), t.c.status == "dead")
             .values(status="pending", scheduled_at=when, lock_token=None, attempts=0)
         )
         return st.affected(session, stmt)
 
+    @transient_as_ours
     def prune(self, session: Session, older_than: timedelta | None = None) -> int:
         """Delete done messages acknowledged more than ``older_than`` (the retention) ago."""
         keep = older_than if older_than is not None else self.retention

@@ -1,40 +1,89 @@
 """Backend strategies: one class per database family, chosen by capability.
 
-A strategy holds class-level facts (``skip_locked``, ``insert_returning``, parameter limits, which
-lock to take when reading a row an offer may update) and the few operations whose round trips
-differ by backend: how to take due messages, how to insert-if-absent, which errors are transient.
-The server version is checked on first use; an older server is refused with a clear error.
+A strategy holds class-level facts (``has_notify``, ``update_returning``, parameter limits, which
+lock to take when reading a row an offer may update) and the operations whose statements or
+round trips differ by backend: how to take due rows, how to insert-if-absent, how to wake
+consumers in other processes (``NOTIFY`` and a ``LISTEN`` thread on PostgreSQL; nothing
+elsewhere), which errors are transient. The server version is checked on first use; an older
+server is refused with a clear error. Besides ``_engine``, this is the only module that looks at
+dialect names.
 """
 
 from __future__ import annotations
 
 import abc
+import functools
 import json
+import logging
+import secrets
+import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from json.encoder import encode_basestring_ascii
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, NamedTuple, ParamSpec, TypeVar
 
-from sqlalchemy import BigInteger, String, Table, any_, delete, literal
+from sqlalchemy import (
+    BigInteger,
+    String,
+    Table,
+    any_,
+    bindparam,
+    delete,
+    func,
+    literal,
+    select,
+    update,
+)
 from sqlalchemy import cast as sa_cast
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.dialects.postgresql import ARRAY
-from sqlalchemy.engine import Dialect
+from sqlalchemy.engine import URL, Dialect
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import Insert
 
 from . import _statements as st
-from ._statements import P
-from .errors import ConcurrentUpdate, UnsupportedBackend
+from ._engine import Family, family, is_mariadb
+from ._rules import INSERT_COLUMNS
+from ._statements import P, Shape
+from .errors import TransientError, UnsupportedBackend
 
-if TYPE_CHECKING:
-    from ._batch import NewRow
+__all__ = [
+    "Claimed",
+    "Listener",
+    "NewRow",
+    "Strategy",
+    "is_transient",
+    "strategy_class",
+    "strategy_for",
+    "strategy_for_bind",
+    "transient_as_ours",
+]
 
-__all__ = ["Claimed", "Strategy", "is_transient", "strategy_for"]
+log = logging.getLogger("sqla_delayedq.listener")
+
+
+class NewRow(NamedTuple):
+    """A row a batch inserts: the payload as JSON text or bytes; ``at`` None means now."""
+
+    key: str
+    text: str | None
+    raw: bytes | None
+    at: datetime | None
+    at0: datetime | None
+
+
+class Listener(abc.ABC):
+    """Wakes this process's consumers when another process offers (a daemon thread)."""
+
+    @abc.abstractmethod
+    def start(self) -> None: ...
+
+    @abc.abstractmethod
+    def stop(self, timeout: float = 2.0) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,33 +102,54 @@ class Strategy(abc.ABC):
     min_version: ClassVar[tuple[int, ...]]
     #: Bound parameters one statement may carry.
     max_params: ClassVar[int] = 30_000
+    #: Lock that holds a row until the transaction ends (None: the backend has no row locks).
+    row_lock: ClassVar[st.Lock] = "update"
     #: Lock for reading a row that a single offer may then update.
     offer_lock: ClassVar[st.Lock] = "update"
     #: Lock for reading the existing rows of a batch offer.
     batch_lock: ClassVar[st.Lock] = "update"
-    #: Whether ``INSERT ... RETURNING`` tells which rows of a multi-row insert were written.
-    insert_returning: bool = True
     #: Whether ``NOTIFY`` exists to wake listeners on commit.
     has_notify: ClassVar[bool] = False
     #: Whether ``UPDATE ... RETURNING`` exists.
     update_returning: ClassVar[bool] = True
+    #: Whether transactional takes are one ``DELETE ... RETURNING``.
+    delete_returning: ClassVar[bool] = True
     #: The lock a poll takes on the rows it picks (None: the backend has no row locks).
     poll_lock: ClassVar[st.Lock] = "update_skip_locked"
-    #: Batch offers insert first and read only the keys that were not written. Backends whose
-    #: insert-if-absent takes shared locks on existing rows (MySQL) read-lock first instead.
-    batch_insert_first: ClassVar[bool] = True
 
-    def insert_rows(
-        self,
-        session: Session,
-        t: Table,
+    def insert_one(
+        self, session: Session, t: Table, row: dict[str, Any], *, notify: str | None = None
+    ) -> bool:
+        """Insert-if-absent one new row; whether it was written (False: the key exists).
+
+        ``notify``: a queue whose consumers the insert itself may wake on commit (PostgreSQL
+        sends the ``NOTIFY`` in the same statement; elsewhere it is ignored).
+        """
+        stmt = self.cached(t, "insert_one", lambda: self.insert_ignore(t).returning(t.c.id))
+        return session.execute(stmt, row).first() is not None
+
+    def notify(self, session: Session, notes: Sequence[tuple[str, str]]) -> None:
+        """Wake consumers in other processes of these ``(table, queue)`` when the transaction
+        commits; backends without ``NOTIFY`` rely on polling."""
+        return None
+
+    @classmethod
+    def listener(
+        cls, url: URL, tables: Sequence[str], wake: Callable[[str | None], None]
+    ) -> Listener | None:
+        """A listener that calls ``wake(queue)`` when another process offers to ``tables``."""
+        return None
+
+    @staticmethod
+    def new_rows(
         queue: str,
         type_name: str,
         now: datetime,
         rows: list[NewRow],
-    ) -> set[str] | None:
-        """Insert-if-absent many new rows; the keys written, or None when the driver cannot tell."""
-        params = [
+        token: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """The parameters of a multi-row insert of new messages."""
+        return [
             {
                 "queue": queue,
                 "key": r.key,
@@ -91,14 +161,24 @@ class Strategy(abc.ABC):
                 "scheduled_at_initially": r.at0 or r.at or now,
                 "created_at": now,
                 "attempts": 0,
+                "lock_token": token,
             }
             for r in rows
         ]
-        stmt = self.insert_ignore(t)
-        if not self.insert_returning:
-            result: Any = session.execute(stmt, params)
-            return {r.key for r in rows} if result.rowcount == len(rows) else None
-        return set(session.execute(stmt.returning(t.c.key), params).scalars().all())
+
+    def insert_rows(
+        self,
+        session: Session,
+        t: Table,
+        queue: str,
+        type_name: str,
+        now: datetime,
+        rows: list[NewRow],
+    ) -> set[str]:
+        """Insert-if-absent many new rows, in the given (key) order; the keys written."""
+        params = self.new_rows(queue, type_name, now, rows)
+        stmt = self.cached(t, "insert_rows", lambda: self.insert_ignore(t).returning(t.c.key))
+        return set(session.execute(stmt, params).scalars().all())
 
     def __init__(self, dialect: Dialect) -> None:
         self.dialect = dialect
@@ -157,40 +237,106 @@ class Strategy(abc.ABC):
         picked = self._due(session, t, queue, now, limit)
         if not picked:
             return []
-        take = st.take_ids(t, [r.id for r in picked], now, lease_until, prefix)
-        if self.poll_lock is None:
-            # No row locks (SQLite): the guarded update itself says which rows were ours.
-            taken = set(session.execute(take.returning(t.c.id)).scalars())
-            picked = [r for r in picked if r.id in taken]
-        else:
-            session.execute(take)
+        ids = [r.id for r in picked]
+        taken = self.take_picked(session, st.message_shape(t), ids, now, lease_until, prefix)
         return [
-            Claimed(_taken(r, lease_until, prefix), r.lock_token, r.scheduled_at) for r in picked
+            Claimed(_taken(r, lease_until, prefix), r.lock_token, r.scheduled_at)
+            for r in picked
+            if r.id in taken
         ]
+
+    def take_picked(
+        self,
+        session: Session,
+        shape: Shape,
+        ids: Sequence[Any],
+        now: datetime,
+        lease_until: datetime,
+        prefix: str,
+    ) -> set[Any]:
+        """Take rows a locking select picked; the ids actually taken.
+
+        With row locks every picked row is ours. Without them (SQLite) the guarded update says
+        which rows were: another transaction may have taken one since the select.
+        """
+        take = st.take_ids(shape, ids, now, lease_until, prefix)
+        if self.poll_lock is None:
+            return set(session.execute(take.returning(shape.id)).scalars())
+        session.execute(take)
+        return set(ids)
 
     def consume(
         self, session: Session, t: Table, queue: str, now: datetime, limit: int
     ) -> list[Any]:
-        """Take up to ``limit`` due rows by deleting them in the caller's transaction."""
-        picked = self._due(session, t, queue, now, limit)
-        if picked:
-            session.execute(delete(t).where(t.c.id.in_([r.id for r in picked])))
-        return list(picked)
+        """Take up to ``limit`` due rows by deleting them in the caller's transaction.
+
+        One ``DELETE ... RETURNING`` where the backend has it, else a locking select and a
+        delete; the rows come back in due order, as they were.
+        """
+        if not self.delete_returning:
+            picked = self._due(session, t, queue, now, limit)
+            if picked:
+                session.execute(delete(t).where(t.c.id.in_([r.id for r in picked])))
+            return list(picked)
+        skip_locked = self.poll_lock is not None
+        stmt = self.cached(
+            t, "consume", lambda: st.consume_returning(t, P.queue, P.now, P.limit, skip_locked)
+        )
+        rows = list(session.execute(stmt, P.take(queue, now, now, limit, "")).all())
+        rows.sort(key=lambda r: (r.scheduled_at, r.id))
+        return rows
 
     @classmethod
     def is_transient(cls, exc: BaseException) -> bool:
         """Deadlocks, serialization failures, lost connections: safe to retry the transaction."""
-        if isinstance(exc, ConcurrentUpdate):
+        if isinstance(exc, TransientError):
             return True
         return isinstance(exc, sa_exc.DBAPIError) and bool(exc.connection_invalidated)
 
 
 class PostgreSQLStrategy(Strategy):
+    """PostgreSQL: one-statement takes, ``jsonb`` batch inserts, and ``NOTIFY``/``LISTEN``.
+
+    An offer sends ``NOTIFY delayedq_<table>, '<queue>'`` inside its transaction (in the insert
+    statement itself when it can), so it is delivered exactly when, and only if, the message
+    becomes visible; a :class:`PgListener` thread per worker process wakes its consumers.
+    """
+
     name = "PostgreSQL"
     min_version = (12,)
     why_min_version = "the minimum version sqla_delayedq is tested against"
     max_params = 60_000
     has_notify = True
+
+    @staticmethod
+    def channel(table: str) -> str:
+        """The ``LISTEN``/``NOTIFY`` channel of a table (an identifier of at most 63 bytes)."""
+        return f"delayedq_{table}"[:63]
+
+    def insert_one(
+        self, session: Session, t: Table, row: dict[str, Any], *, notify: str | None = None
+    ) -> bool:
+        if notify is None:
+            return super().insert_one(session, t, row)
+        # Insert and NOTIFY in one round trip; notifies only when a row was inserted.
+        stmt = self.cached(t, f"insert_one+notify:{notify}", lambda: self._insert_notify(t, notify))
+        return session.execute(stmt, row).first() is not None
+
+    def _insert_notify(self, t: Table, queue: str) -> Any:
+        values = {c: bindparam(c, type_=t.c[c].type) for c in INSERT_COLUMNS}
+        ins = self.insert_ignore(t).values(values).returning(t.c.id).cte("ins")
+        return select(ins.c.id, func.pg_notify(literal(self.channel(t.name)), literal(queue)))
+
+    def notify(self, session: Session, notes: Sequence[tuple[str, str]]) -> None:
+        if notes:
+            calls = [func.pg_notify(self.channel(table), queue) for table, queue in sorted(notes)]
+            session.execute(select(*calls))
+
+    @classmethod
+    def listener(
+        cls, url: URL, tables: Sequence[str], wake: Callable[[str | None], None]
+    ) -> Listener | None:
+        return PgListener(url, [cls.channel(t) for t in tables], wake)
 
     def insert_rows(
         self,
@@ -200,7 +346,7 @@ class PostgreSQLStrategy(Strategy):
         type_name: str,
         now: datetime,
         rows: list[NewRow],
-    ) -> set[str] | None:
+    ) -> set[str]:
         # The chunk travels as one JSON document; payloads are spliced in as already serialized.
         quote = encode_basestring_ascii  # json.dumps of a str, without the call overhead
         parts = []
@@ -254,16 +400,6 @@ class PostgreSQLStrategy(Strategy):
             t.c.lock_token == any_(sa_cast(literal(tokens, ARRAY(String())), ARRAY(String()))),
         )
 
-    def consume(
-        self, session: Session, t: Table, queue: str, now: datetime, limit: int
-    ) -> list[Any]:
-        stmt = self.cached(
-            t, "consume", lambda: st.consume_returning(t, P.queue, P.now, P.limit, True)
-        )
-        rows = list(session.execute(stmt, P.take(queue, now, now, limit, "")).all())
-        rows.sort(key=lambda r: (r.scheduled_at, r.id))
-        return rows
-
     @classmethod
     def is_transient(cls, exc: BaseException) -> bool:
         if super().is_transient(exc):
@@ -277,16 +413,73 @@ class PostgreSQLStrategy(Strategy):
 
 
 class MySQLStrategy(Strategy):
+    """MariaDB/MySQL: every insert-if-absent locks an existing key exclusively.
+
+    InnoDB's ``INSERT IGNORE`` leaves a *shared* lock on a duplicate key. Racing offers of one
+    key that all hold it and then need the row exclusively (to update it) deadlock. ``INSERT ...
+    ON DUPLICATE KEY UPDATE id = id`` takes the exclusive lock at once, so racers queue for the
+    row instead; the insert id says whether the row is new (0 for a duplicate). A multi-row
+    insert stamps its rows with a random lock token, reads back which keys carry it, and clears
+    it before the transaction commits. The rows an upsert found are then read without a lock
+    clause: they are already locked, and a locking read could wait on (and deadlock with) a
+    racer's half-inserted row in a scan.
+    """
+
     name = "MySQL"
-    min_version: ClassVar[tuple[int, ...]] = (8, 0, 1)
-    why_min_version = "SKIP LOCKED arrived in MySQL 8.0.1"
+    min_version: ClassVar[tuple[int, ...]] = (8, 0, 17)
+    why_min_version = (
+        "SKIP LOCKED arrived in MySQL 8.0.1, and utf8mb4_0900_bin, the NO PAD binary collation "
+        "that makes keys compare byte for byte, in 8.0.17"
+    )
     max_params = 60_000
-    # A shared read, so racing offers of one key that all find it identical never deadlock
-    # upgrading locks; only an offer that must change the row upgrades to an exclusive lock.
-    offer_lock = "share"
-    insert_returning = False
-    batch_insert_first = False
     update_returning = False
+    delete_returning = False
+    offer_lock = None
+    batch_lock = None
+
+    def insert_one(
+        self, session: Session, t: Table, row: dict[str, Any], *, notify: str | None = None
+    ) -> bool:
+        result: Any = session.execute(self.cached(t, "upsert", lambda: self.insert_or_lock(t)), row)
+        return bool(result.lastrowid)
+
+    def insert_rows(
+        self,
+        session: Session,
+        t: Table,
+        queue: str,
+        type_name: str,
+        now: datetime,
+        rows: list[NewRow],
+    ) -> set[str]:
+        token = f"new.{secrets.token_hex(12)}"
+        params = self.new_rows(queue, type_name, now, rows, token)
+        written = self._insert_stamped(session, t, params, token)
+        if written:
+            clear = self.cached(
+                t,
+                "clear_stamp",
+                lambda: (
+                    update(t)
+                    .where(t.c.lock_token == bindparam("m_token", type_=t.c.lock_token.type))
+                    .values(lock_token=None)
+                ),
+            )
+            session.execute(clear, {"m_token": token})
+        return written
+
+    def _insert_stamped(
+        self, session: Session, t: Table, params: list[dict[str, Any]], token: str
+    ) -> set[str]:
+        session.execute(self.cached(t, "upsert", lambda: self.insert_or_lock(t)), params)
+        stamped = self.cached(
+            t,
+            "stamped",
+            lambda: select(t.c.key).where(
+                t.c.lock_token == bindparam("m_token", type_=t.c.lock_token.type)
+            ),
+        )
+        return set(session.execute(stamped, {"m_token": token}).scalars())
 
     TRANSIENT_CODES = frozenset({1205, 1213, 1927, 2003, 2006, 2013, 2055, 4031})
 
@@ -312,7 +505,15 @@ class MariaDBStrategy(MySQLStrategy):
     name = "MariaDB"
     min_version = (10, 6)
     why_min_version = "SKIP LOCKED arrived in MariaDB 10.6"
-    insert_returning = True  # INSERT ... RETURNING since 10.5
+
+    def _insert_stamped(
+        self, session: Session, t: Table, params: list[dict[str, Any]], token: str
+    ) -> set[str]:
+        # INSERT ... RETURNING (10.5+) returns duplicates too, each with its own lock token.
+        stmt = self.cached(
+            t, "upsert_returning", lambda: self.insert_or_lock(t).returning(t.c.key, t.c.lock_token)
+        )
+        return {key for key, stamp in session.execute(stmt, params) if stamp == token}
 
 
 class SQLiteStrategy(Strategy):
@@ -321,6 +522,7 @@ class SQLiteStrategy(Strategy):
     why_min_version = "RETURNING arrived in SQLite 3.35"
     max_params = 32_000
     # One writer at a time: transactions begin IMMEDIATE (see create_engine), no row locks.
+    row_lock = None
     offer_lock = None
     batch_lock = None
     poll_lock = None
@@ -332,21 +534,72 @@ class SQLiteStrategy(Strategy):
     def insert_ignore(self, t: Table) -> Insert:
         return sqlite.insert(t).on_conflict_do_nothing(index_elements=["queue", "key"])
 
-    def consume(
-        self, session: Session, t: Table, queue: str, now: datetime, limit: int
-    ) -> list[Any]:
-        stmt = self.cached(
-            t, "consume", lambda: st.consume_returning(t, P.queue, P.now, P.limit, False)
-        )
-        rows = list(session.execute(stmt, P.take(queue, now, now, limit, "")).all())
-        rows.sort(key=lambda r: (r.scheduled_at, r.id))
-        return rows
-
     @classmethod
     def is_transient(cls, exc: BaseException) -> bool:
         if super().is_transient(exc):
             return True
         return isinstance(exc, sa_exc.OperationalError) and "locked" in str(exc.orig)
+
+
+class PgListener(Listener):
+    """A daemon thread that ``LISTEN``s on channels and calls ``wake(queue)`` per notification.
+
+    A notification only wakes pollers early; polling stays authoritative. The listener
+    reconnects with backoff when its connection drops, and wakes everyone after reconnecting in
+    case notifications were lost meanwhile.
+    """
+
+    def __init__(self, url: URL, channels: list[str], wake: Callable[[str | None], None]):
+        self.url = url
+        self.channels = sorted(set(channels))
+        self.wake = wake
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="delayedq-listen", daemon=True)
+        self.connected = threading.Event()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def _connect(self) -> Any:
+        import psycopg
+
+        conninfo = self.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        conn = psycopg.connect(conninfo, autocommit=True)
+        for channel in self.channels:
+            conn.execute(f'LISTEN "{channel}"')
+        return conn
+
+    def _run(self) -> None:
+        backoff = 0.1
+        while not self._stop.is_set():
+            try:
+                conn = self._connect()
+            except Exception as exc:
+                log.warning("LISTEN connection failed (%s); polling covers meanwhile", exc)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            backoff = 0.1
+            self.connected.set()
+            self.wake(None)  # anything sent while we were away
+            try:
+                while not self._stop.is_set():
+                    for note in conn.notifies(timeout=0.5):
+                        self.wake(note.payload or None)
+            except Exception as exc:
+                if not self._stop.is_set():
+                    log.warning("LISTEN connection lost (%s); reconnecting", exc)
+            finally:
+                self.connected.clear()
+                try:
+                    conn.close()
+                except Exception:
+                    log.debug("closing the LISTEN connection failed", exc_info=True)
+            self._stop.wait(0.05)
 
 
 def _taken(row: Any, lease_until: datetime, prefix: str) -> SimpleNamespace:
@@ -365,12 +618,14 @@ def _taken(row: Any, lease_until: datetime, prefix: str) -> SimpleNamespace:
 _cache: weakref.WeakKeyDictionary[Dialect, Strategy] = weakref.WeakKeyDictionary()
 
 
-def _strategy_class(dialect: Dialect) -> type[Strategy]:
-    if dialect.name == "postgresql":
+def strategy_class(dialect: Dialect) -> type[Strategy]:
+    """The strategy class of a dialect, for its class-level facts (no version check)."""
+    kind = family(dialect)
+    if kind is Family.POSTGRESQL:
         return PostgreSQLStrategy
-    if dialect.name in ("mysql", "mariadb"):
-        return MariaDBStrategy if getattr(dialect, "is_mariadb", False) else MySQLStrategy
-    if dialect.name == "sqlite":
+    if kind is Family.MYSQL:
+        return MariaDBStrategy if is_mariadb(dialect) else MySQLStrategy
+    if kind is Family.SQLITE:
         return SQLiteStrategy
     raise UnsupportedBackend(
         f"the {dialect.name!r} dialect is not supported; use PostgreSQL, MariaDB/MySQL or SQLite"
@@ -379,14 +634,51 @@ def _strategy_class(dialect: Dialect) -> type[Strategy]:
 
 def strategy_for(session: Session) -> Strategy:
     """The strategy for the database behind ``session`` (connects if it has not yet)."""
-    dialect = session.get_bind().dialect
+    return strategy_for_bind(session.get_bind(), session.connection)
+
+
+def strategy_for_bind(bind: Any, connect: Callable[[], Any] | None = None) -> Strategy:
+    """The strategy for an engine or connection; ``connect`` fills in the server version."""
+    dialect = bind.dialect
     strategy = _cache.get(dialect)
     if strategy is None:
-        if dialect.server_version_info is None and dialect.name != "sqlite":
-            session.connection()  # first connect fills in the server version
-        strategy = _strategy_class(dialect)(dialect)
+        if dialect.server_version_info is None and family(dialect) is not Family.SQLITE:
+            if connect is not None:
+                connect()
+            else:
+                with bind.connect():
+                    pass  # first connect fills in the server version
+        strategy = strategy_class(dialect)(dialect)
         _cache[dialect] = strategy
     return strategy
+
+
+P_ = ParamSpec("P_")
+R_ = TypeVar("R_")
+
+
+def transient_as_ours(fn: Callable[P_, R_]) -> Callable[P_, R_]:
+    """Re-raise a transient driver error inside a queue operation as :class:`TransientError`.
+
+    The caller's transaction is unusable afterwards; the message says what to do next. Other
+    errors pass through unchanged.
+    """
+
+    @functools.wraps(fn)
+    def operation(*args: P_.args, **kwargs: P_.kwargs) -> R_:
+        try:
+            return fn(*args, **kwargs)
+        except sa_exc.DBAPIError as exc:
+            if not is_transient(exc):
+                raise
+            cause = str(exc.orig if exc.orig is not None else exc).strip().splitlines()
+            raise TransientError(
+                f"{fn.__name__} hit a transient database error "
+                f"({cause[0] if cause else type(exc).__name__}); roll back the transaction and "
+                "run it again (sqla_delayedq.run_in_transaction does that)"
+            ) from exc
+
+    return operation
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -9,18 +9,54 @@
   takes on range scans, so producers are not blocked by consumers polling the same range.
 
 Use :func:`configure_sqlite` on an engine you built yourself.
+
+This module and the strategies (``_dialects``) are the only places that look at a dialect's
+name; everything else asks :func:`family`.
 """
 
 from __future__ import annotations
 
+import enum
 import weakref
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy import event
-from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.engine import Dialect, Engine, make_url
 
-__all__ = ["configure_sqlite", "create_engine"]
+__all__ = ["Family", "configure_sqlite", "create_engine", "family", "is_mariadb", "url_family"]
+
+
+class Family(enum.Enum):
+    """The database families sqla_delayedq serves."""
+
+    POSTGRESQL = "postgresql"
+    MYSQL = "mysql"  # MySQL and MariaDB
+    SQLITE = "sqlite"
+
+
+_FAMILIES = {
+    "postgresql": Family.POSTGRESQL,
+    "mysql": Family.MYSQL,
+    "mariadb": Family.MYSQL,
+    "sqlite": Family.SQLITE,
+}
+
+
+def family(dialect: Dialect) -> Family | None:
+    """The family of a dialect; None for one sqla_delayedq does not serve."""
+    return _FAMILIES.get(dialect.name)
+
+
+def url_family(url: str | sa.URL) -> Family | None:
+    """:func:`family` of a database URL, without connecting."""
+    return _FAMILIES.get(make_url(url).get_backend_name())
+
+
+def is_mariadb(dialect: Dialect) -> bool:
+    """MariaDB, whatever the URL said: the MySQL dialect detects it on connect."""
+    return family(dialect) is Family.MYSQL and bool(getattr(dialect, "is_mariadb", False))
+
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 
@@ -29,7 +65,7 @@ _configured: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 def configure_sqlite(engine: Engine, *, busy_timeout_ms: int = SQLITE_BUSY_TIMEOUT_MS) -> Engine:
     """Make a pysqlite engine safe for concurrent queue use (idempotent)."""
-    if engine.dialect.name != "sqlite" or engine in _configured:
+    if family(engine.dialect) is not Family.SQLITE or engine in _configured:
         return engine
     _configured.add(engine)
 
@@ -51,10 +87,14 @@ def configure_sqlite(engine: Engine, *, busy_timeout_ms: int = SQLITE_BUSY_TIMEO
     return engine
 
 
+def engine_options(url: str | sa.URL, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` plus the per-backend engine options the queue relies on."""
+    if url_family(url) is Family.MYSQL:
+        kwargs.setdefault("isolation_level", "READ COMMITTED")
+    return kwargs
+
+
 def create_engine(url: str | sa.URL, **kwargs: Any) -> Engine:
     """``sqlalchemy.create_engine`` with the per-backend settings described above."""
-    backend = make_url(url).get_backend_name()
-    if backend in ("mysql", "mariadb"):
-        kwargs.setdefault("isolation_level", "READ COMMITTED")
-    engine = sa.create_engine(url, **kwargs)
+    engine = sa.create_engine(url, **engine_options(url, kwargs))
     return configure_sqlite(engine)

@@ -7,14 +7,14 @@ serves repeated calls.
 
 from __future__ import annotations
 
-import json
+import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
 from sqlalchemy import (
     BigInteger,
-    Boolean,
     DateTime,
     Integer,
     String,
@@ -29,6 +29,7 @@ from sqlalchemy import (
     func,
     literal,
     select,
+    type_coerce,
     update,
 )
 from sqlalchemy.dialects import postgresql
@@ -36,9 +37,62 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql import ColumnElement, Delete, Select, Update
 from sqlalchemy.sql.visitors import InternalTraversal
 
+from ._codec import LenientJSON
+from ._rules import INSERT_COLUMNS
 from ._time import DateTimeUTC
 
 Lock = Literal["update", "share", "update_skip_locked"] | None
+
+
+@dataclass(frozen=True, eq=False)
+class Shape:
+    """Where a table keeps its queue state: the columns every take and settle reads and writes.
+
+    A message table keeps it in its own columns (:func:`message_shape`); an entity table in the
+    ``queue_`` columns of :class:`~sqla_delayedq.EntityQueueMixin` (``EntityQueue`` builds its
+    shape). The take, the settles and the due filter are built from a shape, so both kinds of
+    queue take, acknowledge, fail, release and extend with the same statements.
+    """
+
+    table: Table
+    id: Any
+    due: Any
+    token: Any
+    attempts: Any
+    error: Any
+    attempted_at: Any
+    status: Any
+    #: The queue-name column of a message table; None when the table is one queue.
+    queue: Any | None
+    #: The status of an acknowledged row that is kept, and of a row out of attempts.
+    done: str
+    dead: str
+    #: The status a retried failure sets (None: leave it).
+    retrying: str | None = None
+    #: Whether an acknowledgement also records the attempt count.
+    done_counts_attempt: bool = False
+    #: Tokens embed the row id (``prefix || id``), else one token per take.
+    row_tokens: bool = True
+
+
+@functools.cache
+def message_shape(t: Table) -> Shape:
+    """The shape of a message table (``QueueMessageMixin``)."""
+    c = t.c
+    return Shape(
+        table=t,
+        id=c.id,
+        due=c.scheduled_at,
+        token=c.lock_token,
+        attempts=c.attempts,
+        error=c.last_error,
+        attempted_at=c.last_attempt_at,
+        status=c.status,
+        queue=c.queue,
+        done="done",
+        dead="dead",
+    )
+
 
 # Every column of a message row, in a fixed order, for selects and RETURNING.
 ROW_COLUMNS = (
@@ -71,7 +125,13 @@ def affected(session: Any, stmt: Any, params: Any = None) -> int:
 
 
 def columns(t: Table, names: tuple[str, ...] = ROW_COLUMNS) -> list[Any]:
-    return [t.c[name] for name in names]
+    """Columns for a select list or ``RETURNING``; the payload is read leniently (see
+    :class:`~sqla_delayedq._codec.LenientJSON`), so corrupt JSON text is a decode error of that
+    message, not an exception of the whole result."""
+    return [
+        type_coerce(t.c.payload, LenientJSON()).label("payload") if name == "payload" else t.c[name]
+        for name in names
+    ]
 
 
 class P:
@@ -116,19 +176,29 @@ def select_by_keys(t: Table, queue: str, keys: Sequence[str], lock: Lock = None)
     return with_lock(stmt, lock)
 
 
-def due_filter(t: Table, queue: Any, now: Any) -> ColumnElement[bool]:
-    return and_(t.c.queue == queue, t.c.scheduled_at <= now)
+def due_filter(shape: Shape, queue: Any, now: Any) -> ColumnElement[bool]:
+    """Due rows (including those whose lease ran out); of one queue on a message table."""
+    if shape.queue is None:
+        return shape.due <= now  # type: ignore[no-any-return]
+    return and_(shape.queue == queue, shape.due <= now)
 
 
 def select_due(t: Table, queue: Any, now: Any, limit: Any, lock: Lock) -> Select[Any]:
     """Due messages of one queue in schedule order: a range scan of the ``due`` index."""
     stmt = (
         select(*columns(t, TAKE_COLUMNS))
-        .where(due_filter(t, queue, now))
+        .where(due_filter(message_shape(t), queue, now))
         .order_by(t.c.scheduled_at, t.c.id)
         .limit(limit)
     )
     return with_lock(stmt, lock)
+
+
+def next_due(shape: Shape, queue: Any, now: Any) -> Select[Any]:
+    """When the next row becomes due, strictly after ``now`` (rows due at ``now`` that a poll
+    skipped are locked by another consumer)."""
+    stmt = select(func.min(shape.due)).where(shape.due > now)
+    return stmt if shape.queue is None else stmt.where(shape.queue == queue)
 
 
 class ArrayOf(ColumnElement[Any]):
@@ -152,25 +222,28 @@ def _compile_array_of(element: ArrayOf, compiler: Any, **kw: Any) -> str:
     return f"ARRAY({compiler.process(element.subquery, **kw)})"
 
 
-def take_values(t: Table, lease_until: Any, prefix: Any) -> list[tuple[Any, Any]]:
+def take_values(shape: Shape, lease_until: Any, prefix: Any) -> list[tuple[Any, Any]]:
     """SET clauses of a take, in order: MySQL evaluates them left to right on updated values.
 
-    A take that follows an expired lease (the lock token is still set) counts the lost attempt,
-    so a message that keeps killing or hanging its consumers ends up dead.
+    A take that follows an expired lease (the lock token is still set) counts the lost attempt
+    (see :func:`~sqla_delayedq._rules.lease_exhausted`), so a row that keeps killing or hanging
+    its consumers ends up dead.
     """
-    lost = case((t.c.lock_token.is_(None), 0), else_=1)
+    lost = case((shape.token.is_(None), 0), else_=1)
     return [
-        (t.c.attempts, t.c.attempts + lost),
-        (t.c.scheduled_at, lease_until),
-        (t.c.lock_token, token_expr(t, prefix)),
+        (shape.attempts, shape.attempts + lost),
+        (shape.due, lease_until),
+        (shape.token, token_expr(shape, prefix)),
     ]
 
 
-def token_expr(t: Table, prefix: Any) -> ColumnElement[str]:
-    """A per-row lock token: a random per-take prefix joined to the row id."""
+def token_expr(shape: Shape, prefix: Any) -> ColumnElement[str]:
+    """The lock token of a take: a random per-take prefix, joined to the row id (per-row)."""
     if isinstance(prefix, str):
         prefix = literal(prefix, String)
-    return prefix + cast(t.c.id, String)  # type: ignore[no-any-return]
+    if not shape.row_tokens:
+        return prefix  # type: ignore[no-any-return]
+    return prefix + cast(shape.id, String)  # type: ignore[no-any-return]
 
 
 def claim_returning(
@@ -181,13 +254,14 @@ def claim_returning(
     ``RETURNING`` carries the picked row's previous lock token and due time, so delivery
     (first or redelivery) is decided from the row as it was before the take.
     """
+    shape = message_shape(t)
     picked = (
         select(
             t.c.id.label("id"),
             t.c.lock_token.label("prev_token"),
             t.c.scheduled_at.label("prev_scheduled_at"),
         )
-        .where(due_filter(t, queue, now))
+        .where(due_filter(shape, queue, now))
         .order_by(t.c.scheduled_at, t.c.id)
         .limit(limit)
         .with_for_update(skip_locked=True)
@@ -196,7 +270,7 @@ def claim_returning(
     return (
         update(t)
         .where(t.c.id == picked.c.id, t.c.id == any_(ArrayOf(select(picked.c.id))))
-        .ordered_values(*take_values(t, lease_until, prefix))
+        .ordered_values(*take_values(shape, lease_until, prefix))
         .returning(*columns(t, TAKE_COLUMNS), picked.c.prev_token, picked.c.prev_scheduled_at)
     )
 
@@ -206,7 +280,8 @@ def consume_returning(t: Table, queue: Any, now: Any, limit: Any, skip_locked: b
 
     The rows come back as they were; a rollback restores them, due at once.
     """
-    picked = select(t.c.id).where(due_filter(t, queue, now)).order_by(t.c.scheduled_at, t.c.id)
+    picked = select(t.c.id).where(due_filter(message_shape(t), queue, now))
+    picked = picked.order_by(t.c.scheduled_at, t.c.id)
     picked = picked.limit(limit)
     if skip_locked:
         picked = picked.with_for_update(skip_locked=True)
@@ -249,18 +324,7 @@ def recordset_insert(t: Table) -> Any:
         now,
         literal(0),
     ).order_by(r.c.k)
-    names = [
-        "queue",
-        "key",
-        "payload_type",
-        "payload",
-        "payload_bytes",
-        "status",
-        "scheduled_at",
-        "scheduled_at_initially",
-        "created_at",
-        "attempts",
-    ]
+    names = list(INSERT_COLUMNS)
     return (
         postgresql.insert(t)
         .from_select(names, rows)
@@ -269,12 +333,13 @@ def recordset_insert(t: Table) -> Any:
     )
 
 
-def take_ids(t: Table, ids: Sequence[int], now: Any, lease_until: Any, prefix: Any) -> Update:
-    """Take already-picked rows; the ``scheduled_at <= now`` guard makes it a compare-and-swap."""
+def take_ids(shape: Shape, ids: Sequence[Any], now: Any, lease_until: Any, prefix: Any) -> Update:
+    """Take already-picked rows; the ``due <= now`` guard makes it a compare-and-swap where the
+    backend has no row locks (SQLite)."""
     return (
-        update(t)
-        .where(t.c.id.in_(ids), t.c.scheduled_at <= now)
-        .ordered_values(*take_values(t, lease_until, prefix))
+        update(shape.table)
+        .where(shape.id.in_(ids), shape.due <= now)
+        .ordered_values(*take_values(shape, lease_until, prefix))
     )
 
 
@@ -293,176 +358,72 @@ def guarded_update(
 SettleName = Literal["ack", "done", "nack", "bury", "release", "extend"]
 
 
-def settle(t: Table, name: SettleName) -> Delete | Update:
-    """A settle statement guarded by (id, lock token), built once per table.
+class Param(str):
+    """A named bind parameter in a :func:`settle_plan` (a plain value is a constant)."""
 
-    Named parameters: ``s_id`` and ``s_token`` always; ``s_at`` (the new due time) for nack,
-    release and extend; ``s_now`` for done, nack and bury; ``s_attempts`` and ``s_error`` for
-    nack and bury. Building it once spares each call the construction and cache-key walk.
+
+def settle_plan(shape: Shape, name: SettleName) -> dict[Any, Any]:
+    """What a settle writes: column -> :class:`Param` or constant. ``ack`` deletes (empty).
+
+    Parameters: ``s_at`` (the new due time) for nack, release and extend; ``s_now`` for done,
+    nack and bury; ``s_attempts`` for done (when the shape counts it), nack and bury;
+    ``s_error`` for nack and bury.
     """
-    c = t.c
-    guard = and_(
-        c.id == bindparam("s_id", type_=c.id.type),
-        c.lock_token == bindparam("s_token", type_=c.lock_token.type),
-    )
+    at, now, attempts = Param("s_at"), Param("s_now"), Param("s_attempts")
+    failure = {shape.attempts: attempts, shape.error: Param("s_error"), shape.attempted_at: now}
+    plan: dict[Any, Any]
     if name == "ack":
-        return delete(t).where(guard)
-    at = bindparam("s_at", type_=c.scheduled_at.type)
-    now = bindparam("s_now", type_=c.scheduled_at.type)
-    failure = {
-        "attempts": bindparam("s_attempts", type_=c.attempts.type),
-        "last_error": bindparam("s_error", type_=c.last_error.type),
-        "last_attempt_at": now,
-    }
-    values: dict[str, Any]
-    if name == "done":
-        values = {
-            "status": "done",
-            "scheduled_at": None,
-            "lock_token": None,
-            "last_attempt_at": now,
-        }
+        plan = {}
+    elif name == "done":
+        plan = {shape.status: shape.done, shape.due: None, shape.token: None}
+        plan[shape.attempted_at] = now
+        if shape.done_counts_attempt:
+            plan[shape.attempts] = attempts
     elif name == "nack":
-        values = {"scheduled_at": at, "lock_token": None, **failure}
+        plan = {shape.due: at, shape.token: None, **failure}
+        if shape.retrying is not None:
+            plan[shape.status] = shape.retrying
     elif name == "bury":
-        values = {"status": "dead", "scheduled_at": None, "lock_token": None, **failure}
+        plan = {shape.status: shape.dead, shape.due: None, shape.token: None, **failure}
     elif name == "release":
-        values = {"scheduled_at": at, "lock_token": None}
+        plan = {shape.due: at, shape.token: None}
     elif name == "extend":
-        values = {"scheduled_at": at}
+        plan = {shape.due: at}
     else:
         raise ValueError(f"unknown settle statement {name!r}")
-    return update(t).where(guard).values(values)
+    return plan
 
 
-def count_by_state(t: Table, queue: str, now: datetime) -> Select[Any]:
-    """Counts per state for one queue in one scan of its rows."""
-    leased = and_(t.c.status == "pending", t.c.lock_token.is_not(None), t.c.scheduled_at > now)
-    due = and_(t.c.status == "pending", t.c.scheduled_at <= now)
-    later = and_(t.c.status == "pending", t.c.lock_token.is_(None), t.c.scheduled_at > now)
-
-    def n(cond: ColumnElement[bool]) -> Any:
-        return func.coalesce(func.sum(case((cond, 1), else_=0)), 0)
-
-    return select(
-        n(due).label("due"),
-        n(later).label("scheduled"),
-        n(leased).label("in_flight"),
-        n(t.c.status == "dead").label("dead"),
-        n(t.c.status == "done").label("done"),
-    ).where(t.c.queue == queue)
-
-
-def state_clause(t: Table, state: str, now: datetime) -> ColumnElement[bool]:
-    """SQL for one :class:`~sqla_delayedq.State` value."""
-    pending = t.c.status == "pending"
-    if state == "due":
-        return and_(pending, t.c.scheduled_at <= now)
-    if state == "scheduled":
-        return and_(pending, t.c.lock_token.is_(None), t.c.scheduled_at > now)
-    if state == "in_flight":
-        return and_(pending, t.c.lock_token.is_not(None), t.c.scheduled_at > now)
-    if state == "pending":
-        return pending
-    return t.c.status == state
-
-
-class JsonFieldEquals(ColumnElement[bool]):
-    """``payload.<name> == value`` comparing JSON values, types included, on every backend.
-
-    A cast (``->>`` then ``::int``) would fail on rows whose field holds text and would match
-    ``"5"`` to ``5``; this compares JSON to JSON instead: containment (``@>``) on PostgreSQL,
-    ``JSON_CONTAINS`` on MariaDB/MySQL, ``json_type`` plus ``json_extract`` on SQLite. Numbers
-    compare by value (``5`` matches ``5.0``); strings, numbers and booleans never match each other.
-    """
-
-    inherit_cache = True
-    type = Boolean()
-
-    def __init__(self, column: Any, name: str, value: str | int | float | bool) -> None:
-        self.column = column
-        self.name = name
-        self.value = value
-        self.document = bindparam(None, json.dumps({name: value}), type_=String())
-        self.scalar = bindparam(None, json.dumps(value), type_=String())
-        self.path = bindparam(None, "$." + json.dumps(name), type_=String())
-        self.raw: Any = bindparam(None, value)
-
-    _traverse_internals = [
-        ("column", InternalTraversal.dp_clauseelement),
-        ("document", InternalTraversal.dp_clauseelement),
-        ("scalar", InternalTraversal.dp_clauseelement),
-        ("path", InternalTraversal.dp_clauseelement),
-        ("raw", InternalTraversal.dp_clauseelement),
-    ]
-
-    def json_types(self) -> tuple[str, ...]:
-        if isinstance(self.value, bool):
-            return ("true",) if self.value else ("false",)
-        if isinstance(self.value, (int, float)):
-            return ("integer", "real")
-        return ("text",)
-
-
-@compiles(JsonFieldEquals, "postgresql")
-def _json_eq_pg(element: JsonFieldEquals, compiler: Any, **kw: Any) -> str:
-    column = compiler.process(element.column, **kw)
-    return f"({column} @> CAST({compiler.process(element.document, **kw)} AS JSONB))"
-
-
-@compiles(JsonFieldEquals, "mysql")
-@compiles(JsonFieldEquals, "mariadb")
-def _json_eq_mysql(element: JsonFieldEquals, compiler: Any, **kw: Any) -> str:
-    column = compiler.process(element.column, **kw)
-    scalar = compiler.process(element.scalar, **kw)
-    path = compiler.process(element.path, **kw)
-    return f"(JSON_CONTAINS({column}, {scalar}, {path}) = 1)"
-
-
-@compiles(JsonFieldEquals, "sqlite")
-def _json_eq_sqlite(element: JsonFieldEquals, compiler: Any, **kw: Any) -> str:
-    column = compiler.process(element.column, **kw)
-    path = compiler.process(element.path, **kw)
-    types = ", ".join(f"'{t}'" for t in element.json_types())
-    same_type = f"json_type({column}, {path}) IN ({types})"
-    if isinstance(element.value, bool):
-        return f"({same_type})"
-    return (
-        f"({same_type} AND json_extract({column}, {path}) = {compiler.process(element.raw, **kw)})"
+def settle(shape: Shape, name: SettleName) -> Delete | Update:
+    """A settle statement guarded by (id, lock token), built once per table, with named
+    parameters ``s_id`` and ``s_token`` plus those of :func:`settle_plan`. Building it once
+    spares each call the construction and cache-key walk."""
+    guard = and_(
+        shape.id == bindparam("s_id", type_=shape.id.type),
+        shape.token == bindparam("s_token", type_=shape.token.type),
     )
+    if name == "ack":
+        return delete(shape.table).where(guard)
+    values = {
+        column: bindparam(str(v), type_=column.type) if isinstance(v, Param) else v
+        for column, v in settle_plan(shape, name).items()
+    }
+    return update(shape.table).where(guard).values(values)
 
 
-def payload_field(t: Table, name: str, value: Any) -> ColumnElement[bool]:
-    """Equality on a top-level JSON payload field, comparing JSON types (see JsonFieldEquals)."""
-    return JsonFieldEquals(t.c.payload, name, value)
+def settled_values(shape: Shape, name: SettleName, params: dict[str, Any]) -> dict[Any, Any]:
+    """The values a settle wrote, by column (for objects that mirror the row)."""
+    return {
+        column: params[str(v)] if isinstance(v, Param) else v
+        for column, v in settle_plan(shape, name).items()
+    }
 
 
-def filter_clause(
-    t: Table,
-    queue: str,
-    now: datetime,
-    *,
-    state: str | None = None,
-    key_prefix: str | None = None,
-    keys: Sequence[str] | None = None,
-    payload: dict[str, Any] | None = None,
-    scheduled_before: datetime | None = None,
-    scheduled_after: datetime | None = None,
-    where: Any = None,
-) -> ColumnElement[bool]:
-    conds: list[Any] = [t.c.queue == queue]
-    if state is not None:
-        conds.append(state_clause(t, state, now))
-    if key_prefix:
-        conds.append(t.c.key.startswith(key_prefix, autoescape=True))
-    if keys is not None:
-        conds.append(t.c.key.in_(list(keys)))
-    for name, value in (payload or {}).items():
-        conds.append(payload_field(t, name, value))
-    if scheduled_before is not None:
-        conds.append(t.c.scheduled_at < scheduled_before)
-    if scheduled_after is not None:
-        conds.append(t.c.scheduled_at >= scheduled_after)
-    if where is not None:
-        conds.append(where)
-    return and_(*conds)
+def select_due_entities(model: Any, shape: Shape, now: Any, limit: int, lock: Lock) -> Select[Any]:
+    """Due entities in order of next attempt, then primary key: a range scan of the index.
+
+    With ``lock="update_skip_locked"`` the rows come back locked and rows other consumers hold
+    are skipped, so the entities are loaded in the same statement that picks them.
+    """
+    stmt = select(model).where(due_filter(shape, None, now)).order_by(shape.due, shape.id)
+    return with_lock(stmt.limit(limit), lock).execution_options(populate_existing=True)

@@ -18,6 +18,7 @@ from sqlalchemy.dialects import mysql
 from sqlalchemy.engine import Dialect
 from sqlalchemy.types import TypeDecorator
 
+from ._engine import Family, family
 from .errors import InvalidArgument
 
 UTC = timezone.utc
@@ -74,7 +75,7 @@ class DateTimeUTC(TypeDecorator[datetime]):
     cache_ok = True
 
     def load_dialect_impl(self, dialect: Dialect) -> Any:
-        if dialect.name in ("mysql", "mariadb"):
+        if family(dialect) is Family.MYSQL:
             return dialect.type_descriptor(mysql.DATETIME(fsp=6))
         return dialect.type_descriptor(DateTime(timezone=True))
 
@@ -82,7 +83,7 @@ class DateTimeUTC(TypeDecorator[datetime]):
         if value is None:
             return None
         value = require_aware(value)
-        if dialect.name == "postgresql":
+        if family(dialect) is Family.POSTGRESQL:
             return value
         return value.replace(tzinfo=None)
 

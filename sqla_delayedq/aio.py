@@ -9,29 +9,37 @@ their guarantees are exactly those of the sync API, joined to the caller's async
         session.add(user)
         await aq.offer(session, f"welcome/{user.id}", {"user_id": user.id})
 
-:class:`AsyncWorker` runs ``async def`` handlers on ``concurrency`` tasks, with the same two
-modes, wake-ups (``LISTEN`` through psycopg's async connection on PostgreSQL, in-process
-wake-ups everywhere), lease heartbeats and graceful shutdown as the sync worker.
+:class:`AsyncWorker` runs ``async def`` handlers on ``concurrency`` tasks. It is the thread
+worker's core (:mod:`sqla_delayedq._consumer`) on an asyncio runtime: the same loops run in
+greenlets on the event loop, as SQLAlchemy's asyncio extension runs its own sync core, so both
+workers take, retry, extend, log, wake up and shut down by the same code.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
+import inspect
 import logging
 import signal
-import time
+import weakref
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, TypeVar
 
-from sqlalchemy import func, select
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import create_async_engine as sa_create_async_engine
+from sqlalchemy.orm import Session
+from sqlalchemy.util import await_only, greenlet_spawn
 
+from ._consumer import BaseWorker, Mode, WorkerHooks
 from ._dialects import is_transient
-from ._queue import DelayedQueue, OfferInput
+from ._engine import configure_sqlite, engine_options
+from ._handlers import check_async_handler
+from ._offers import OfferInput
+from ._queue import DelayedQueue
+from ._transaction import backoff_delays
 from ._types import (
     Envelope,
     MessageFilter,
@@ -41,21 +49,66 @@ from ._types import (
     OfferResult,
     QueueCounts,
 )
-from ._wakeup import channel_for, subscribe
-from .errors import InvalidArgument
-from .worker import WorkerHooks
+from ._wakeup import subscribe
 
-__all__ = ["AsyncHandler", "AsyncQueue", "AsyncWorker"]
+__all__ = [
+    "AsyncHandler",
+    "AsyncQueue",
+    "AsyncWorker",
+    "Mode",
+    "WorkerHooks",
+    "create_async_engine",
+    "run_in_transaction_async",
+]
 
 T = TypeVar("T")
-log = logging.getLogger("sqla_delayedq.aio")
+R = TypeVar("R")
+log = logging.getLogger("sqla_delayedq.worker")
 
 #: Lease mode: ``await handler(envelope)``; transactional: ``await handler(envelope, session)``.
 AsyncHandler = Callable[..., Awaitable[Any]]
 
 
+def create_async_engine(url: str | URL, **kwargs: Any) -> AsyncEngine:
+    """``sqlalchemy.ext.asyncio.create_async_engine`` with the settings of
+    :func:`sqla_delayedq.create_engine` (``READ COMMITTED`` on MariaDB/MySQL; WAL, a busy
+    timeout and ``BEGIN IMMEDIATE`` on SQLite). Drivers: ``postgresql+psycopg://``,
+    ``mysql+aiomysql://``, ``sqlite+aiosqlite://``."""
+    engine = sa_create_async_engine(url, **engine_options(url, kwargs))
+    configure_sqlite(engine.sync_engine)
+    return engine
+
+
+async def run_in_transaction_async(
+    sessions: Callable[[], AsyncSession],
+    work: Callable[[AsyncSession], Awaitable[R]],
+    *,
+    attempts: int = 5,
+    initial_delay: float = 0.05,
+    max_delay: float = 2.0,
+) -> R:
+    """The asyncio form of :func:`sqla_delayedq.run_in_transaction`: ``await work(session)``
+    inside ``session.begin()``, run again from the start after a transient failure."""
+    pauses = iter(backoff_delays(attempts, initial_delay, max_delay))
+    attempt = 1
+    while True:
+        try:
+            async with sessions() as session, session.begin():
+                return await work(session)
+        except Exception as exc:
+            if attempt >= attempts or not is_transient(exc):
+                raise
+            log.info("transaction attempt %d of %d failed, retrying: %s", attempt, attempts, exc)
+        await asyncio.sleep(next(pauses))
+        attempt += 1
+
+
 class AsyncQueue(Generic[T]):
-    """The operations of ``queue`` on an ``AsyncSession``; none of them commits."""
+    """Every operation of ``queue`` on an ``AsyncSession``; none of them commits.
+
+    Each method is the :class:`~sqla_delayedq.DelayedQueue` method of the same name, run on the
+    session's sync face through ``AsyncSession.run_sync``.
+    """
 
     def __init__(self, queue: DelayedQueue[T]) -> None:
         self.queue = queue
@@ -63,6 +116,8 @@ class AsyncQueue(Generic[T]):
     @property
     def name(self) -> str:
         return self.queue.name
+
+    # -- offer and take --------------------------------------------------------------------
 
     async def offer(
         self,
@@ -95,6 +150,28 @@ class AsyncQueue(Generic[T]):
     ) -> list[Envelope[T]]:
         return await session.run_sync(lambda s: self.queue.try_poll_many(s, n, lease=lease))
 
+    async def consume(self, session: AsyncSession, n: int = 1) -> list[Envelope[T]]:
+        return await session.run_sync(lambda s: self.queue.consume(s, n))
+
+    async def process_one(
+        self,
+        session: AsyncSession,
+        handler: Callable[[Envelope[T], AsyncSession], Awaitable[Any]],
+    ) -> tuple[Envelope[T], BaseException | None, NackOutcome | None] | None:
+        """:meth:`DelayedQueue.process_one` with an ``async def`` handler, which gets this
+        ``AsyncSession`` (inside the savepoint the sync method opens)."""
+        check_async_handler(handler, "AsyncQueue.process_one")
+
+        def handle(envelope: Envelope[T], _sync: Session) -> Any:
+            return await_only(handler(envelope, session))
+
+        return await session.run_sync(lambda s: self.queue.process_one(s, handle))
+
+    async def next_due(self, session: AsyncSession) -> datetime | None:
+        return await session.run_sync(self.queue.next_due)
+
+    # -- settle ----------------------------------------------------------------------------
+
     async def ack(self, session: AsyncSession, envelope: Envelope[Any]) -> bool:
         return await session.run_sync(lambda s: self.queue.ack(s, envelope))
 
@@ -110,6 +187,17 @@ class AsyncQueue(Generic[T]):
     ) -> NackOutcome:
         return await session.run_sync(lambda s: self.queue.nack(s, envelope, error, at))
 
+    retry = nack
+
+    async def record_failure(
+        self,
+        session: AsyncSession,
+        envelope: Envelope[Any],
+        error: BaseException | str,
+        at: datetime | None = None,
+    ) -> NackOutcome:
+        return await session.run_sync(lambda s: self.queue.record_failure(s, envelope, error, at))
+
     async def release(self, session: AsyncSession, envelope: Envelope[Any]) -> bool:
         return await session.run_sync(lambda s: self.queue.release(s, envelope))
 
@@ -117,6 +205,8 @@ class AsyncQueue(Generic[T]):
         self, session: AsyncSession, envelope: Envelope[T], lease: timedelta | None = None
     ) -> Envelope[T] | None:
         return await session.run_sync(lambda s: self.queue.extend(s, envelope, lease))
+
+    # -- read side -------------------------------------------------------------------------
 
     async def get(self, session: AsyncSession, key: str) -> MessageInfo | None:
         return await session.run_sync(lambda s: self.queue.get(s, key))
@@ -127,293 +217,209 @@ class AsyncQueue(Generic[T]):
     async def counts(self, session: AsyncSession) -> QueueCounts:
         return await session.run_sync(self.queue.counts)
 
+    async def oldest_due(self, session: AsyncSession) -> datetime | None:
+        return await session.run_sync(self.queue.oldest_due)
+
     async def search(
-        self, session: AsyncSession, where: MessageFilter | None = None, *, limit: int = 100
+        self,
+        session: AsyncSession,
+        where: MessageFilter | None = None,
+        *,
+        limit: int = 100,
+        after_id: int | None = None,
     ) -> list[MessageInfo]:
-        return await session.run_sync(lambda s: self.queue.search(s, where, limit=limit))
-
-
-@dataclass(frozen=True)
-class _Registration:
-    queue: AsyncQueue[Any]
-    handler: AsyncHandler
-    mode: Literal["lease", "transactional"]
-    lease: timedelta
-    handler_timeout: timedelta | None
-
-
-class AsyncWorker:
-    """Run ``async def`` handlers for one or more queues on ``concurrency`` tasks."""
-
-    def __init__(
-        self,
-        sessions: async_sessionmaker[AsyncSession],
-        *,
-        concurrency: int = 16,
-        poll_interval: float = 5.0,
-        batch_size: int = 1,
-        listen: bool = True,
-        drain_timeout: float = 30.0,
-        hooks: WorkerHooks | None = None,
-    ) -> None:
-        if concurrency < 1 or poll_interval <= 0 or batch_size < 1:
-            raise InvalidArgument("concurrency and batch_size must be >= 1, poll_interval > 0")
-        self.sessions = sessions
-        self.concurrency = concurrency
-        self.poll_interval = poll_interval
-        self.batch_size = batch_size
-        self.listen = listen
-        self.drain_timeout = drain_timeout
-        self.hooks = hooks or WorkerHooks()
-        self._registrations: list[_Registration] = []
-        self._stopping = asyncio.Event()
-        self._wake_future: asyncio.Future[None] | None = None
-        self._in_flight: dict[int, tuple[_Registration, Envelope[Any], float]] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    def register(
-        self,
-        queue: DelayedQueue[Any] | AsyncQueue[Any],
-        handler: AsyncHandler,
-        *,
-        mode: Literal["lease", "transactional"] = "lease",
-        lease: timedelta | None = None,
-        handler_timeout: timedelta | None = None,
-    ) -> AsyncWorker:
-        if mode not in ("lease", "transactional"):
-            raise InvalidArgument(f"unknown mode {mode!r}; use 'lease' or 'transactional'")
-        aq = queue if isinstance(queue, AsyncQueue) else AsyncQueue(queue)
-        self._registrations.append(
-            _Registration(aq, handler, mode, lease or aq.queue.lease, handler_timeout)
+        return await session.run_sync(
+            lambda s: self.queue.search(s, where, limit=limit, after_id=after_id)
         )
-        return self
+
+    async def count(self, session: AsyncSession, where: MessageFilter | None = None) -> int:
+        return await session.run_sync(lambda s: self.queue.count(s, where))
+
+    # -- admin side ------------------------------------------------------------------------
+
+    async def drop(self, session: AsyncSession, key: str) -> bool:
+        return await session.run_sync(lambda s: self.queue.drop(s, key))
+
+    async def drop_where(self, session: AsyncSession, where: MessageFilter) -> int:
+        return await session.run_sync(lambda s: self.queue.drop_where(s, where))
+
+    async def drop_all(self, session: AsyncSession, *, confirm: str | None = None) -> int:
+        return await session.run_sync(lambda s: self.queue.drop_all(s, confirm=confirm))
+
+    async def reschedule(
+        self, session: AsyncSession, target: str | MessageFilter, at: datetime | None = None
+    ) -> int:
+        return await session.run_sync(lambda s: self.queue.reschedule(s, target, at))
+
+    async def requeue_dead(
+        self, session: AsyncSession, where: MessageFilter | None = None, at: datetime | None = None
+    ) -> int:
+        return await session.run_sync(lambda s: self.queue.requeue_dead(s, where, at))
+
+    async def prune(self, session: AsyncSession, older_than: timedelta | None = None) -> int:
+        return await session.run_sync(lambda s: self.queue.prune(s, older_than))
+
+
+class AsyncRuntime:
+    """Waiting, sleeping, sessions and handler calls for the core's loops in greenlets.
+
+    Every method that blocks is called from a greenlet started by ``greenlet_spawn`` and
+    suspends it with ``await_only`` while the event loop runs. ``notify`` may come from any
+    thread (the ``LISTEN`` thread, a committing thread of the application).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sessions: Callable[..., Any]) -> None:
+        self.loop = loop
+        self.sessions = sessions
+        self._stopping = False
+        self._stopped: asyncio.Future[None] = loop.create_future()
+        self._wakeup: asyncio.Future[None] | None = None
+        self._generation = 0
+        self._async_of: weakref.WeakKeyDictionary[Session, AsyncSession] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
 
     def request_stop(self) -> None:
-        self._stopping.set()
+        self._stopping = True
+        self._soon(self._on_stop)
+
+    def _on_stop(self) -> None:
+        if not self._stopped.done():
+            self._stopped.set_result(None)
         self._bump()
 
+    async def stopped(self) -> None:
+        await self._stopped
+
+    def session(self) -> Session:
+        async_session: AsyncSession = self.sessions(expire_on_commit=False)
+        sync = async_session.sync_session
+        self._async_of[sync] = async_session
+        return sync
+
+    def call(self, handler: Callable[..., Any], *args: Any) -> Any:
+        # A transactional handler gets the AsyncSession around the core's Session.
+        args = tuple(self._async_of.get(a, a) if isinstance(a, Session) else a for a in args)
+        result = handler(*args)
+        if inspect.isawaitable(result):
+            return await_only(result)
+        return result  # it already ran to its end; awaiting it again would run nothing twice
+
+    def sleep(self, seconds: float) -> None:
+        await_only(asyncio.sleep(seconds))
+
+    def pause(self, seconds: float) -> None:
+        await_only(self._pause(seconds))
+
+    async def _pause(self, seconds: float) -> None:
+        if not self._stopped.done():
+            await asyncio.wait([self._stopped], timeout=seconds)
+
+    def generation(self) -> int:
+        return self._generation
+
+    def wait(self, seen: int, timeout: float) -> None:
+        await_only(self._wait(seen, timeout))
+
+    async def _wait(self, seen: int, timeout: float) -> None:
+        if self._generation != seen or self._stopping:
+            return
+        if self._wakeup is None:
+            self._wakeup = self.loop.create_future()
+        await asyncio.wait([self._wakeup], timeout=timeout)
+
+    def notify(self, _key: str | None = None) -> None:
+        self._soon(self._bump)
+
     def _bump(self) -> None:
-        """Wake every task waiting on the current generation (call on the loop's thread)."""
-        fut, self._wake_future = self._wake_future, None
-        if fut is not None and not fut.done():
-            fut.set_result(None)
+        self._generation += 1
+        wakeup, self._wakeup = self._wakeup, None
+        if wakeup is not None and not wakeup.done():
+            wakeup.set_result(None)
 
-    def _generation(self) -> asyncio.Future[None]:
-        if self._wake_future is None:
-            self._wake_future = asyncio.get_running_loop().create_future()
-        return self._wake_future
+    def _soon(self, fn: Callable[[], None]) -> None:
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(fn)
 
-    def _notify(self, _queue: str | None = None) -> None:
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._bump)
+
+class AsyncWorker(BaseWorker[async_sessionmaker[AsyncSession]]):
+    """Run ``async def`` handlers for one or more queues on ``concurrency`` tasks.
+
+    The same configuration, modes, registrations (``register``, ``register_batch``,
+    ``add_cron``), hooks, wake-ups, heartbeats and shutdown as
+    :class:`~sqla_delayedq.worker.Worker`; ``sessions`` is an ``async_sessionmaker``. A
+    transactional handler gets the ``AsyncSession`` of the transaction that takes and
+    acknowledges its message.
+    """
+
+    default_concurrency = 16
+    default_name = "delayedq-async-worker"
+
+    def _check_handler(self, handler: Any, where: str) -> None:
+        check_async_handler(handler, where)
+
+    def _add(self, where: str, source: Any, handler: Any, **kwargs: Any) -> AsyncWorker:
+        # An AsyncQueue is accepted wherever its DelayedQueue is.
+        queue = source.queue if isinstance(source, AsyncQueue) else source
+        return super()._add(where, queue, handler, **kwargs)
 
     async def run(self, *, install_signal_handlers: bool = True) -> bool:
-        """Run until :meth:`request_stop` or SIGTERM/SIGINT; drain; True if all finished."""
-        if not self._registrations:
-            raise InvalidArgument("register at least one queue before running the worker")
-        self._loop = asyncio.get_running_loop()
+        """Run until :meth:`request_stop` or SIGTERM/SIGINT; drain; True if all finished.
+
+        Raises :class:`~sqla_delayedq.WorkerError` when the worker stopped on an error it must
+        not retry (a bug, a missing table): it was logged with its traceback.
+        """
+        self._check_startable()
+        loop = asyncio.get_running_loop()
+        rt = AsyncRuntime(loop, self.sessions)
+        self._rt = rt
+        if self._stop_requested:
+            rt.request_stop()
         if install_signal_handlers:
             for sig in (signal.SIGTERM, signal.SIGINT):
-                self._loop.add_signal_handler(sig, self.request_stop)
-        tables = {r.queue.queue.table.name for r in self._registrations}
-        unsubscribe = [subscribe(t, self._notify) for t in tables]
-        side: list[asyncio.Task[None]] = []
-        engine = self.sessions.kw.get("bind")
-        if self.listen and engine is not None and engine.dialect.name == "postgresql":
-            side.append(asyncio.create_task(self._listen(engine, sorted(tables))))
-        side.append(asyncio.create_task(self._heartbeat()))
-        tasks = [asyncio.create_task(self._task()) for _ in range(self.concurrency)]
+                loop.add_signal_handler(sig, self.request_stop)
+        unsubscribe = [subscribe(t, rt.notify) for t in self._tables()]
+        listener = self._listener(self.sessions.kw.get("bind"), rt.notify)
+        side = [asyncio.create_task(greenlet_spawn(self._run_periodic, t)) for t in self._periodic]
+        if any(r.mode == "lease" for r in self._registrations):
+            side.append(asyncio.create_task(greenlet_spawn(self._heartbeat)))
+        tasks = [asyncio.create_task(greenlet_spawn(self._consume)) for _ in self._slots()]
+        log.info("%s started: %d tasks on %s", self.name, self.concurrency, self._tables())
         try:
-            await self._stopping.wait()
+            await rt.stopped()
             _, pending = await asyncio.wait(tasks, timeout=self.drain_timeout)
-            for reg, env, _ in list(self._in_flight.values()):
-                await self._settle(reg, env, functools.partial(reg.queue.release, envelope=env))
             for t in pending:
                 t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            await greenlet_spawn(self._release_in_flight)
+            await greenlet_spawn(self._stop_periodic)
+            log.info("%s stopped (%d tasks did not finish in time)", self.name, len(pending))
+            self._raise_failure()
             return not pending
         finally:
             for t in side:
                 t.cancel()
-            for t in side:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await t
+            await asyncio.gather(*side, return_exceptions=True)
             for fn in unsubscribe:
                 fn()
+            if listener is not None:
+                await asyncio.to_thread(listener.stop)
             if install_signal_handlers:
                 for sig in (signal.SIGTERM, signal.SIGINT):
-                    self._loop.remove_signal_handler(sig)
+                    with contextlib.suppress(Exception):
+                        loop.remove_signal_handler(sig)
 
-    async def _task(self) -> None:
-        errors = 0
-        while not self._stopping.is_set():
-            seen = self._generation()
-            try:
-                worked, next_due = await self._poll_all()
-                errors = 0
-            except Exception as exc:
-                errors += 1
-                self.hooks.db_error(exc)
-                log.warning(
-                    "database error in async worker (transient=%s): %s", is_transient(exc), exc
-                )
-                await asyncio.sleep(min(0.05 * 2**errors, 5.0))
-                continue
-            if worked:
-                continue
-            timeout = self.poll_interval if next_due is None else min(self.poll_interval, next_due)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(seen), timeout)
+    def _slots(self) -> range:
+        return range(self.concurrency)
 
-    async def _poll_all(self) -> tuple[bool, float | None]:
-        next_due: float | None = None
-        for reg in self._registrations:
-            if self._stopping.is_set():
-                return True, None
-            once = self._lease_once if reg.mode == "lease" else self._transactional_once
-            if await once(reg):
-                return True, None
-            due = await self._next_due(reg)
-            if due is not None:
-                next_due = due if next_due is None else min(next_due, due)
-        return False, next_due
-
-    async def _next_due(self, reg: _Registration) -> float | None:
-        q = reg.queue.queue
-        now = q.now()
-        t = q.table
-        stmt = select(func.min(t.c.scheduled_at)).where(t.c.queue == q.name, t.c.scheduled_at > now)
-        async with self.sessions() as s:
-            when: datetime | None = (await s.execute(stmt)).scalar()
-        return None if when is None else max(0.0, (when - now).total_seconds())
-
-    def _observe(self, reg: _Registration, env: Envelope[Any]) -> None:
-        if env.redelivered:
-            self.hooks.redelivered(reg.queue.name, env)
-        self.hooks.lag(reg.queue.name, (reg.queue.queue.now() - env.scheduled_at).total_seconds())
-
-    async def _settle(
-        self, reg: _Registration, env: Envelope[Any], op: Callable[[AsyncSession], Awaitable[Any]]
-    ) -> Any:
-        deadline = time.monotonic() + max(reg.lease.total_seconds(), 1.0)
-        delay = 0.05
-        while True:
-            try:
-                async with self.sessions() as s, s.begin():
-                    return await op(s)
-            except Exception as exc:
-                self.hooks.db_error(exc)
-                if time.monotonic() > deadline:
-                    log.error(
-                        "giving up settling %s/%s; its lease will expire", reg.queue.name, env.key
-                    )
-                    return None
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
-
-    async def _lease_once(self, reg: _Registration) -> bool:
-        async with self.sessions() as s, s.begin():
-            envs = await reg.queue.try_poll_many(s, self.batch_size, lease=reg.lease)
-        for env in envs:
-            self._in_flight[env.id] = (reg, env, time.monotonic())
-        for env in envs:
-            try:
-                if self._stopping.is_set():
-                    await self._settle(reg, env, functools.partial(reg.queue.release, envelope=env))
-                    continue
-                self._observe(reg, env)
-                started = time.monotonic()
-                try:
-                    await reg.handler(env)
-                except Exception as exc:
-                    cur = self._in_flight.get(env.id, (reg, env, 0.0))[1]
-                    outcome = await self._settle(
-                        reg, cur, functools.partial(reg.queue.nack, envelope=cur, error=exc)
-                    )
-                    self.hooks.failed(reg.queue.name, env, exc, outcome or NackOutcome.STALE)
-                else:
-                    cur = self._in_flight.get(env.id, (reg, env, 0.0))[1]
-                    if await self._settle(reg, cur, functools.partial(reg.queue.ack, envelope=cur)):
-                        self.hooks.processed(reg.queue.name, env, time.monotonic() - started)
-            finally:
-                self._in_flight.pop(env.id, None)
-        return bool(envs)
-
-    async def _transactional_once(self, reg: _Registration) -> bool:
-        """The async form of :meth:`DelayedQueue.process_one`: one transaction per message."""
-        q = reg.queue.queue
-        failure: tuple[BaseException, NackOutcome] | None = None
-        async with self.sessions() as session, session.begin():
-            if self._stopping.is_set():
-                return False
-            taken = await session.run_sync(lambda s: q._consume_rows(s, 1))
-            if not taken:
-                return False
-            env, row = taken[0]
-            self._observe(reg, env)
-            started = time.monotonic()
-            try:
-                async with session.begin_nested():
-                    await reg.handler(env, session)
-            except Exception as exc:
-                if is_transient(exc):
-                    raise
-                outcome = await session.run_sync(q._put_back_failed, env, row, exc)
-                failure = (exc, outcome)
-        if failure is None:
-            self.hooks.processed(reg.queue.name, env, time.monotonic() - started)
-        else:
-            self.hooks.failed(reg.queue.name, env, *failure)
-        return True
-
-    async def _heartbeat(self) -> None:
-        while not self._stopping.is_set():
-            await asyncio.sleep(0.5)
-            now = time.monotonic()
-            for env_id, (reg, env, started) in list(self._in_flight.items()):
-                remaining = (env.lease_until - reg.queue.queue.now()).total_seconds()
-                if remaining > reg.lease.total_seconds() / 2:
-                    continue
-                if (
-                    reg.handler_timeout is not None
-                    and now - started > reg.handler_timeout.total_seconds()
-                ):
-                    continue
-                try:
-                    async with self.sessions() as s, s.begin():
-                        longer = await reg.queue.extend(s, env, reg.lease)
-                except Exception as exc:
-                    self.hooks.db_error(exc)
-                    continue
-                if longer is not None and env_id in self._in_flight:
-                    self._in_flight[env_id] = (
-                        reg,
-                        replace(env, lease_until=longer.lease_until),
-                        started,
-                    )
-
-    async def _listen(self, engine: Any, tables: list[str]) -> None:
-        import psycopg
-
-        url = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
-        backoff = 0.1
-        while not self._stopping.is_set():
-            try:
-                conn = await psycopg.AsyncConnection.connect(url, autocommit=True)
-            except Exception as exc:
-                log.warning("LISTEN connection failed (%s); polling covers meanwhile", exc)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
-                continue
-            backoff = 0.1
-            try:
-                for table in tables:
-                    await conn.execute(f'LISTEN "{channel_for(table)}"')
-                self._bump()
-                async for _ in conn.notifies():
-                    self._bump()
-            except Exception as exc:
-                log.warning("LISTEN connection lost (%s); reconnecting", exc)
-            finally:
-                with contextlib.suppress(Exception):
-                    await conn.close()
+    async def process_due(self, limit: int | None = None) -> int:
+        """Handle what is due now, on this task, and return how many were handled (see
+        :meth:`Worker.process_due <sqla_delayedq.worker.Worker.process_due>`)."""
+        self._check_startable()
+        self._rt = AsyncRuntime(asyncio.get_running_loop(), self.sessions)
+        count: int = await greenlet_spawn(self._process_due, limit)
+        return count

@@ -53,6 +53,7 @@ from sqlalchemy import Table, and_, case, delete, func, literal_column, select, 
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import ColumnElement
 
+from . import _filters as flt
 from . import _statements as st
 from ._cron_schedules import CronSchedule, DailySchedule, PeriodicTick, Schedule
 from ._dialects import Strategy, is_transient, strategy_for
@@ -320,7 +321,7 @@ def _hash_expr(t: Table, prefix: str) -> ColumnElement[str]:
 
 
 def _in_flight(t: Table, now: datetime) -> ColumnElement[bool]:
-    return st.state_clause(t, "in_flight", now)
+    return flt.state_clause(t, "in_flight", now)
 
 
 # -- the state row -------------------------------------------------------------------------
@@ -365,11 +366,11 @@ def _read_state(
         t.c.scheduled_at_initially,
         t.c.created_at,
     ).where(t.c.queue == queue.name, t.c.key == state_key(prefix))
-    row = session.execute(st.with_lock(stmt, strategy.batch_lock)).first()
+    row = session.execute(st.with_lock(stmt, strategy.row_lock)).first()
     if row is None:
         return None
     try:
-        doc = queue._decode(row)
+        doc = queue.codec.decode(row)
     except DecodeError:
         doc = None
     doc = doc if isinstance(doc, dict) else {}
@@ -407,7 +408,7 @@ def _create_state(
     row = {
         "queue": queue.name,
         "key": state_key(config.prefix),
-        **queue._encode(_state_doc(config, now, now)),
+        **queue.codec.values(_state_doc(config, now, now)),
         "status": "done",
         "scheduled_at": None,
         "scheduled_at_initially": now,
@@ -498,7 +499,7 @@ def install_tick(
         update(t)
         .where(t.c.id == state.id)
         .values(
-            **queue._encode(_state_doc(config, now, new_until)),
+            **queue.codec.values(_state_doc(config, now, new_until)),
             scheduled_at_initially=new_until,
             created_at=since,
         )
@@ -586,7 +587,7 @@ def list_cron(
     states: dict[str, dict[str, Any]] = {}
     for row in session.execute(stmt):
         try:
-            doc = queue._decode(row)
+            doc = queue.codec.decode(row)
         except DecodeError:
             continue
         if isinstance(doc, dict) and doc.get("cron_state") and row.key.endswith(STATE_SUFFIX):
@@ -605,7 +606,7 @@ def _prefix_infos(
     waiting = and_(t.c.status == "pending", ~_in_flight(t, now))
 
     def n(state: str) -> Any:
-        return func.coalesce(func.sum(case((st.state_clause(t, state, now), 1), else_=0)), 0)
+        return func.coalesce(func.sum(case((flt.state_clause(t, state, now), 1), else_=0)), 0)
 
     stmt = (
         select(
@@ -748,6 +749,18 @@ class CronService:
                 logger.debug("cron %r: transient error, retrying: %s", config.prefix, exc)
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def interval_seconds(self, interval: timedelta | float) -> float:
+        """A valid pass interval in seconds: positive and shorter than the look-ahead."""
+        seconds = interval.total_seconds() if isinstance(interval, timedelta) else interval
+        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds <= 0:
+            raise InvalidArgument(f"interval must be a positive duration, got {interval!r}")
+        if timedelta(seconds=seconds) >= self.lookahead:
+            raise InvalidArgument(
+                f"interval ({timedelta(seconds=seconds)}) must be shorter than the look-ahead "
+                f"({self.lookahead}), or ticks fall between two passes"
+            )
+        return float(seconds)
+
     def install(
         self, sessionmaker: SessionFactory, *, interval: timedelta | float = DEFAULT_INTERVAL
     ) -> CronHandle:
@@ -757,15 +770,7 @@ class CronService:
         The thread logs and survives every error (a database outage included) and tries again
         on the next interval. Stop it with :meth:`CronHandle.stop`.
         """
-        seconds = interval.total_seconds() if isinstance(interval, timedelta) else interval
-        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds <= 0:
-            raise InvalidArgument(f"interval must be a positive duration, got {interval!r}")
-        if timedelta(seconds=seconds) >= self.lookahead:
-            raise InvalidArgument(
-                f"interval ({timedelta(seconds=seconds)}) must be shorter than the look-ahead "
-                f"({self.lookahead}), or ticks fall between two passes"
-            )
-        handle = CronHandle(self, sessionmaker, float(seconds))
+        handle = CronHandle(self, sessionmaker, self.interval_seconds(interval))
         handle._thread.start()
         return handle
 

@@ -9,58 +9,68 @@ columns, all prefixed ``queue_`` so they cannot clash with yours:
                              ``succeeded`` or ``failed``; ``NOT NULL``, server default ``new``
 ``queue_next_attempt_at``    when the row is next due; ``NULL`` means nothing to do. Indexed.
                              A take moves it to the end of the lease (the schedule is the lock)
-``queue_attempts``           finished attempts of the current run; ``NOT NULL``, default ``0``
+``queue_attempts``           finished attempts of the current run (a lease that ran out counts)
 ``queue_last_attempt_at``    when the last attempt finished
 ``queue_last_error``         the error text of the last failed attempt (kept after a success)
 ``queue_lock_token``         set by a take; settling is guarded by ``id = :id AND token = :t``
 ===========================  ==============================================================
 
-Whether a row is pending depends on ``queue_next_attempt_at`` alone, never on the status (seed
-001): a failed row waiting for its retry has status ``failed`` and a next attempt time. Existing
-rows get ``new`` and ``NULL`` when the migration adds the columns, so nothing is processed until
-you schedule it (:meth:`EntityQueue.schedule`).
+Whether a row is pending depends on ``queue_next_attempt_at`` alone, never on the status: a
+failed row waiting for its retry has status ``failed`` and a next attempt time. Existing rows get
+``new`` and ``NULL`` when the migration adds the columns, so nothing is processed until you
+schedule it (:meth:`EntityQueue.schedule`).
 
-:class:`EntityQueue` has the message queue's semantics over those rows: take due rows with
-``FOR UPDATE SKIP LOCKED`` and a lease, then ``succeed`` or ``fail`` through the retry policy.
-Taken entities are loaded into the caller's Session, so in transactional mode a handler's changes
-to the object commit together with the success mark. Searching and admin are plain SQLAlchemy on
-your own columns: ``failed(Order).where(Order.company_id == 3345)`` is an ordinary ``Select``, and
-``stop``, ``process_now`` and ``retry_failed`` take the same kind of ``WHERE`` conditions.
-See ``docs/entity-queues.md`` for a worked example.
+:class:`EntityQueue` is the same consumer contract as a message queue, over those rows, with the
+same words: ``try_poll``/``try_poll_many`` take due rows (``FOR UPDATE SKIP LOCKED`` where the
+backend has it) under a lease, and ``ack``, ``nack``, ``release`` and ``extend`` settle them with
+the same statements and the same retry rules (:class:`~sqla_delayedq._leases.LeasedQueue`). The
+envelope's ``payload`` is the entity. Workers serve entity queues like message queues
+(``Worker.register(EntityQueue(Order), handler)``), with heartbeats, hooks and wake-ups.
+
+- In **transactional mode** the entity is loaded into the transaction's Session: the handler's
+  changes to it (and anything else it writes) commit together with the success mark.
+- In **lease mode** the take commits at once and the handler gets the entity as a snapshot,
+  outside any session. Changes it makes to the entity's own columns are written by ``ack``, in
+  the statement that marks success and only while the lease holds; a failed attempt writes
+  none of them. For relationships or other rows, use transactional mode.
+
+Searching and admin are plain SQLAlchemy on your own columns:
+``failed(Order).where(Order.company_id == 3345)`` is an ordinary ``Select``, and ``stop``,
+``process_now`` and ``retry_failed`` take the same kind of ``WHERE`` conditions. See
+``docs/entity-queues.md`` for a worked example.
 """
 
 from __future__ import annotations
 
-import random
-import secrets
-import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Final, Generic, TypeVar, cast
+from types import SimpleNamespace
+from typing import Any, Final, TypeVar, cast
 
-from sqlalchemy import Column, Integer, String, Table, Text, and_, case, delete, func, select
+from sqlalchemy import Column, Integer, String, Table, Text, and_, case, func, select
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy import update as sa_update
 from sqlalchemy.engine import CursorResult, Result
-from sqlalchemy.orm import Mapped, Mapper, Session, mapped_column, sessionmaker
+from sqlalchemy.orm import Mapped, Mapper, Session, mapped_column
 from sqlalchemy.orm.attributes import set_committed_value
-from sqlalchemy.sql import ColumnElement, Delete, Select, Update
+from sqlalchemy.sql import ColumnElement, Select
 
 from . import _statements as st
-from ._dialects import Strategy, is_transient, strategy_for
-from ._queue import error_text
+from ._dialects import Claimed, Strategy, is_transient, transient_as_ours
+from ._handlers import call_sync_handler
+from ._leases import LeasedQueue, Processed
 from ._time import Clock, DateTimeUTC, require_aware, require_duration, system_clock
-from ._types import Delivery, NackOutcome
+from ._types import Delivery, Envelope, NackOutcome
 from .errors import InvalidArgument
 from .retry import ExponentialBackoff, RetryPolicy
 
 __all__ = [
     "EntityCounts",
-    "EntityLease",
     "EntityQueue",
     "EntityQueueMixin",
     "EntityStatus",
+    "LeaseLost",
     "due",
     "failed",
     "pending",
@@ -78,16 +88,8 @@ class EntityStatus:
     ALL: Final = (NEW, SUCCEEDED, FAILED)
 
 
-#: How many times :meth:`EntityQueue.process_due` takes again after a transient error.
-TAKE_ATTEMPTS: Final = 5
-
-
-class _TakeFailed(Exception):
-    """The take of a ``process_due`` pass failed: nothing was changed and no handler ran."""
-
-    def __init__(self, error: Exception) -> None:
-        super().__init__(str(error))
-        self.error = error
+class LeaseLost(Exception):
+    """The handler finished, but its lease was lost meanwhile; nothing was acknowledged."""
 
 
 class EntityQueueMixin:
@@ -127,30 +129,6 @@ QUEUE_ATTRIBUTES: Final = (
 )
 
 M = TypeVar("M", bound=EntityQueueMixin)
-
-#: What :meth:`EntityQueue.process_due` calls for each taken entity.
-Handler = Callable[[M], object]
-
-
-@dataclass(frozen=True, eq=False)
-class EntityLease(Generic[M]):
-    """A taken entity. Pass it back to ``succeed``, ``fail``, ``release`` or ``extend``."""
-
-    #: The primary key value.
-    id: Any
-    #: The domain object, loaded into the Session that took it.
-    entity: M
-    lock_token: str
-    #: 1 for the first attempt of this run; finished attempts before this take plus one.
-    attempt: int
-    delivery: Delivery
-    #: When the row was due before this take.
-    scheduled_at: datetime
-    lease_until: datetime
-
-    @property
-    def redelivered(self) -> bool:
-        return self.delivery is Delivery.REDELIVERY
 
 
 @dataclass(frozen=True)
@@ -205,65 +183,24 @@ def succeeded(model: type[M]) -> Select[Any]:
     )
 
 
-# -- pure statements -----------------------------------------------------------------------
-
-
-def select_due(
-    model: type[M], pk: Column[Any], now: datetime, limit: int, lock: st.Lock
-) -> Select[Any]:
-    """Due entities in order of next attempt, then primary key: a range scan of the index.
-
-    With ``lock="update_skip_locked"`` the rows come back locked and rows other consumers hold
-    are skipped, so the entities are loaded in the same statement that claims them.
-    """
-    at = model.queue_next_attempt_at
-    stmt = select(model).where(at <= now).order_by(at, pk).limit(limit)
-    return st.with_lock(stmt, lock).execution_options(populate_existing=True)
-
-
-def take_ids(
-    t: Table, pk: Column[Any], ids: Sequence[Any], now: datetime, until: datetime, token: str
-) -> Update:
-    """Take picked rows; ``next_attempt_at <= now`` makes it a compare-and-swap where the
-    backend has no row locks (SQLite)."""
-    return (
-        sa_update(t)
-        .where(pk.in_(ids), t.c.queue_next_attempt_at <= now)
-        .values(queue_next_attempt_at=until, queue_lock_token=token)
-    )
-
-
-def by_token(model: type[M], pk: Column[Any], row_id: Any, token: str) -> ColumnElement[bool]:
-    return and_(pk == row_id, model.queue_lock_token == token)
-
-
-def settle(model: type[M], pk: Column[Any], row_id: Any, token: str) -> Update:
-    """An ORM-enabled ``UPDATE`` guarded by the lease's token.
-
-    ORM-enabled, so the Session flushes the handler's pending changes first and the copy of the
-    entity in the Session is updated with the new queue state.
-    """
-    return sa_update(model).where(by_token(model, pk, row_id, token))
-
-
-def delete_taken(model: type[M], pk: Column[Any], row_id: Any, token: str) -> Delete:
-    return delete(model).where(by_token(model, pk, row_id, token))
-
-
-def succeed_batch(
-    model: type[M], pk: Column[Any], ids: Sequence[Any], token: str, now: datetime
-) -> Update:
-    """Mark the rows of one take as succeeded in one statement (a take shares one token)."""
-    return (
-        sa_update(model)
-        .where(pk.in_(ids), model.queue_lock_token == token)
-        .values(
-            queue_status=EntityStatus.SUCCEEDED,
-            queue_next_attempt_at=None,
-            queue_lock_token=None,
-            queue_attempts=model.queue_attempts + 1,
-            queue_last_attempt_at=now,
-        )
+def entity_shape(table: Table, pk: Column[Any]) -> st.Shape:
+    """The queue state of an entity table: the mixin's ``queue_`` columns."""
+    c = table.c
+    return st.Shape(
+        table=table,
+        id=pk,
+        due=c.queue_next_attempt_at,
+        token=c.queue_lock_token,
+        attempts=c.queue_attempts,
+        error=c.queue_last_error,
+        attempted_at=c.queue_last_attempt_at,
+        status=c.queue_status,
+        queue=None,
+        done=EntityStatus.SUCCEEDED,
+        dead=EntityStatus.FAILED,
+        retrying=EntityStatus.FAILED,
+        done_counts_attempt=True,
+        row_tokens=False,  # one token per take: a primary key may be long text
     )
 
 
@@ -308,7 +245,7 @@ def _conditions(where: Iterable[Any]) -> list[ColumnElement[bool]]:
     return conds
 
 
-class EntityQueue(Generic[M]):
+class EntityQueue(LeasedQueue[M]):
     """Take, settle, search and administer the rows of a class with :class:`EntityQueueMixin`.
 
     :param model: the mapped class; its table must hold the mixin's columns and have a
@@ -318,10 +255,9 @@ class EntityQueue(Generic[M]):
         failed; :class:`~sqla_delayedq.ExponentialBackoff` by default.
     :param clock: the time source; inject one in tests instead of sleeping.
     :param delete_on_success: delete the row on success instead of marking it, for tables whose
-        rows only stand for the work (seed 001).
+        rows only stand for the work.
 
-    Every operation that takes a Session joins the caller's transaction and never commits it;
-    only :meth:`process_due`, a convenience loop, opens and commits sessions of its own.
+    Every operation takes a Session, joins the caller's transaction and never commits it.
     """
 
     def __init__(
@@ -348,20 +284,27 @@ class EntityQueue(Generic[M]):
             )
         self.model = model
         self.table: Table = table
+        self.name = table.name
         self.pk: Column[Any] = cast(Column[Any], mapper.primary_key[0])
         self._pk_key = mapper.get_property_by_column(self.pk).key
+        self.shape = entity_shape(table, self.pk)
         self.lease = require_duration(lease, "lease")
         self.retry_policy: RetryPolicy = retry or ExponentialBackoff()
         if not isinstance(self.retry_policy, RetryPolicy):
             raise InvalidArgument("retry must have max_attempts and delay(attempts)")
         self.clock = clock
         self.delete_on_success = delete_on_success
+        #: The columns a lease-mode handler's changes may write, by attribute name.
+        self._own_columns = {
+            attr.key: attr.columns[0]
+            for attr in mapper.column_attrs
+            if attr.key not in QUEUE_ATTRIBUTES and len(attr.columns) == 1
+        }
+        self._attr_of = {attr.columns[0]: attr.key for attr in mapper.column_attrs}
+        self._init_leases()
 
     def __repr__(self) -> str:
         return f"EntityQueue({self.model.__name__}, table={self.table.name!r})"
-
-    def now(self) -> datetime:
-        return require_aware(self.clock(), "clock()")
 
     # -- scheduling ------------------------------------------------------------------------
 
@@ -461,241 +404,194 @@ class EntityQueue(Generic[M]):
                 session.expire(obj, QUEUE_ATTRIBUTES)
         return count
 
-    # -- taking ----------------------------------------------------------------------------
+    # -- take ------------------------------------------------------------------------------
 
-    def try_take(
-        self, session: Session, n: int = 1, *, lease: timedelta | None = None
-    ) -> list[EntityLease[M]]:
-        """Take up to ``n`` due entities, oldest next attempt first, each with its lease.
-
-        Rows other consumers hold are skipped (``FOR UPDATE SKIP LOCKED`` on PostgreSQL and
-        MariaDB/MySQL; SQLite has one writer at a time). The entities are loaded into
-        ``session`` with their current state, so a handler can change them and the changes
-        commit with the success mark.
-        """
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise InvalidArgument(f"n must be a positive integer, got {n!r}")
-        lease = self.lease if lease is None else require_duration(lease, "lease")
-        strategy = strategy_for(session)
-        now = self.now()
-        until = now + lease
-        picked: list[M] = list(
-            session.scalars(select_due(self.model, self.pk, now, n, strategy.poll_lock))
-        )
+    def _claim(
+        self,
+        session: Session,
+        strategy: Strategy,
+        now: datetime,
+        until: datetime,
+        limit: int,
+        prefix: str,
+    ) -> list[Claimed]:
+        """Load due entities with a locking select, then take them (the entities come back with
+        the state the take gave them)."""
+        stmt = st.select_due_entities(self.model, self.shape, now, limit, strategy.poll_lock)
+        picked: list[M] = list(session.scalars(stmt))
         if not picked:
             return []
-        token = secrets.token_hex(16)
         ids = [getattr(e, self._pk_key) for e in picked]
-        stmt = take_ids(self.table, self.pk, ids, now, until, token)
-        if _update_returning(strategy):
-            taken = set(session.execute(stmt.returning(self.pk)).scalars())
-        else:
-            # MariaDB/MySQL: the picked rows are locked by this transaction, so all are taken.
-            session.execute(stmt)
-            taken = set(ids)
-        leases = []
+        taken = strategy.take_picked(session, self.shape, ids, now, until, prefix)
+        claimed = []
         for entity, row_id in zip(picked, ids, strict=True):
             if row_id not in taken:
                 continue
-            prev_token, prev_at = entity.queue_lock_token, entity.queue_next_attempt_at
+            prev_token, prev_due = entity.queue_lock_token, entity.queue_next_attempt_at
+            attempts = entity.queue_attempts + (0 if prev_token is None else 1)
             set_committed_value(entity, "queue_next_attempt_at", until)
-            set_committed_value(entity, "queue_lock_token", token)
-            leases.append(
-                EntityLease(
-                    id=row_id,
-                    entity=entity,
-                    lock_token=token,
-                    attempt=entity.queue_attempts + 1,
-                    delivery=Delivery.FIRST if prev_token is None else Delivery.REDELIVERY,
-                    scheduled_at=cast(datetime, prev_at),
-                    lease_until=until,
+            set_committed_value(entity, "queue_lock_token", prefix)
+            set_committed_value(entity, "queue_attempts", attempts)
+            row = SimpleNamespace(id=row_id, lock_token=prefix, attempts=attempts, entity=entity)
+            claimed.append(Claimed(row, prev_token, cast(datetime, prev_due)))
+        return claimed
+
+    def _payload(self, claimed: Claimed) -> M:
+        return cast(M, claimed.row.entity)
+
+    def _envelope(self, claimed: Claimed, payload: M) -> Envelope[M]:
+        row, due_at = claimed.row, claimed.prev_scheduled_at
+        return Envelope(
+            id=row.id,
+            queue=self.name,
+            key=str(row.id),
+            payload=payload,
+            scheduled_at=due_at,
+            # An entity has no creation or first schedule of its own: the take's due time.
+            scheduled_at_initially=due_at,
+            created_at=due_at,
+            delivery=Delivery.FIRST if claimed.prev_token is None else Delivery.REDELIVERY,
+            attempt=row.attempts + 1,
+            lock_token=row.lock_token,
+            lease_until=payload.queue_next_attempt_at or due_at,
+        )
+
+    # -- settle ----------------------------------------------------------------------------
+
+    def _changes(self, session: Session, entity: Any) -> dict[Any, Any]:
+        """What a lease-mode handler changed on its snapshot of the entity (own columns only).
+
+        An entity in ``session`` is flushed instead: its changes go with the transaction.
+        """
+        state = sa_inspect(entity)
+        if state.session is session:
+            session.flush()
+            return {}
+        changes: dict[Any, Any] = {}
+        for key, column in self._own_columns.items():
+            history = state.attrs[key].history
+            if history.added:
+                changes[column] = history.added[0]
+            elif history.deleted and not history.unchanged:
+                changes[column] = None
+        return changes
+
+    def _ack(self, session: Session, envelope: Envelope[Any]) -> bool:
+        """Mark the entity succeeded (or delete its row), with a lease-mode handler's changes."""
+        changes = self._changes(session, envelope.payload)
+        if self.delete_on_success:
+            return self._settle(session, "ack", envelope.id, envelope.lock_token)
+        if not changes:
+            return self._settle(
+                session,
+                "done",
+                envelope.id,
+                envelope.lock_token,
+                payload=envelope.payload,
+                s_now=self.now(),
+                s_attempts=envelope.attempt,
+            )
+        c = self.table.c
+        values = {
+            **changes,
+            c.queue_status: EntityStatus.SUCCEEDED,
+            c.queue_next_attempt_at: None,
+            c.queue_lock_token: None,
+            c.queue_attempts: envelope.attempt,
+            c.queue_last_attempt_at: self.now(),
+        }
+        stmt = (
+            sa_update(self.table)
+            .where(self.pk == envelope.id, c.queue_lock_token == envelope.lock_token)
+            .values(values)
+        )
+        if _rowcount(session.execute(stmt)) != 1:
+            return False
+        self._mirror(envelope.payload, values)
+        return True
+
+    def _ack_many(self, session: Session, envelopes: Sequence[Envelope[Any]]) -> int:
+        """One statement per take (a take's rows share a token), unless a lease-mode handler
+        changed its entity: those are acknowledged one by one, with their changes."""
+        if self.delete_on_success or any(
+            sa_inspect(e.payload).session is not session for e in envelopes
+        ):
+            return super()._ack_many(session, envelopes)
+        session.flush()
+        by_token: dict[str, list[Envelope[Any]]] = {}
+        for envelope in envelopes:
+            by_token.setdefault(envelope.lock_token, []).append(envelope)
+        now, c = self.now(), self.table.c
+        done = 0
+        for token, group in by_token.items():
+            stmt = (
+                sa_update(self.table)
+                .where(self.pk.in_([e.id for e in group]), c.queue_lock_token == token)
+                .values(
+                    {
+                        c.queue_status: EntityStatus.SUCCEEDED,
+                        c.queue_next_attempt_at: None,
+                        c.queue_lock_token: None,
+                        c.queue_attempts: c.queue_attempts + 1,
+                        c.queue_last_attempt_at: now,
+                    }
                 )
             )
-        return leases
-
-    def try_take_one(
-        self, session: Session, *, lease: timedelta | None = None
-    ) -> EntityLease[M] | None:
-        taken = self.try_take(session, 1, lease=lease)
-        return taken[0] if taken else None
-
-    # -- settling --------------------------------------------------------------------------
-
-    def succeed(
-        self, session: Session, lease: EntityLease[M], *, delete: bool | None = None
-    ) -> bool:
-        """Mark a taken entity succeeded (or delete its row), if the lease still holds.
-
-        The Session's pending changes (the handler's) are flushed first, in the same
-        transaction. Returns False, changing nothing, when the lease was lost: it ran out and
-        another consumer took the row, or ``schedule``/``stop`` reset it.
-        """
-        if self.delete_on_success if delete is None else delete:
-            stmt: Any = delete_taken(self.model, self.pk, lease.id, lease.lock_token)
-        else:
-            stmt = settle(self.model, self.pk, lease.id, lease.lock_token).values(
-                queue_status=EntityStatus.SUCCEEDED,
-                queue_next_attempt_at=None,
-                queue_lock_token=None,
-                queue_attempts=lease.attempt,
-                queue_last_attempt_at=self.now(),
-            )
-        return _rowcount(session.execute(stmt)) == 1
-
-    def succeed_many(self, session: Session, leases: Sequence[EntityLease[M]]) -> int:
-        """Mark many taken entities succeeded, one statement per take; returns how many still
-        held their lease."""
-        by_token: dict[str, list[Any]] = {}
-        for lease in leases:
-            by_token.setdefault(lease.lock_token, []).append(lease.id)
-        now = self.now()
-        done = 0
-        for token, ids in by_token.items():
-            stmt = succeed_batch(self.model, self.pk, ids, token, now)
-            done += _rowcount(session.execute(stmt))
+            matched = _rowcount(session.execute(stmt))
+            done += matched
+            if matched == len(group):
+                for e in group:
+                    self._mirror(
+                        e.payload,
+                        {
+                            c.queue_status: EntityStatus.SUCCEEDED,
+                            c.queue_next_attempt_at: None,
+                            c.queue_lock_token: None,
+                            c.queue_attempts: e.attempt,
+                            c.queue_last_attempt_at: now,
+                        },
+                    )
         return done
 
-    def fail(
-        self,
-        session: Session,
-        lease: EntityLease[M],
-        error: BaseException | str,
-        *,
-        at: datetime | None = None,
-    ) -> NackOutcome:
-        """Record a failed attempt: store the error, then retry later or give up.
+    def _mirror(self, payload: Any, values: dict[Any, Any]) -> None:
+        """The entity shows what the settle wrote, without a reload."""
+        for column, value in values.items():
+            set_committed_value(payload, self._attr_of[column], value)
 
-        The retry is at ``at`` when given, else after the retry policy's delay. After
-        ``max_attempts`` the row stays ``failed`` with no next attempt (``DEAD``) until
-        :meth:`retry_failed` or :meth:`schedule`. ``STALE`` when the lease was lost.
+    # -- transactional mode ----------------------------------------------------------------
+
+    @transient_as_ours
+    def process_one(
+        self, session: Session, handler: Callable[[Envelope[M], Session], Any]
+    ) -> Processed[M] | None:
+        """Transactional mode for one entity, inside the caller's transaction.
+
+        Take the first due entity in this transaction, run ``handler(envelope, session)`` in a
+        savepoint, and mark it succeeded in the same transaction: the handler's changes commit
+        with the mark, ``(envelope, None, None)``. When the handler raises, its changes are
+        rolled back to the savepoint and the failed attempt is recorded: ``(envelope, error,
+        outcome)``. A crash rolls everything back and the entity is due again at once.
+        Transient database errors are re-raised. None when nothing is due.
         """
-        now = self.now()
-        attempts = lease.attempt
-        gave_up = attempts >= self.retry_policy.max_attempts
-        if gave_up:
-            when = None
-        elif at is not None:
-            when = require_aware(at, "at")
-        else:
-            when = now + self.retry_policy.delay(attempts)
-        stmt = settle(self.model, self.pk, lease.id, lease.lock_token).values(
-            queue_status=EntityStatus.FAILED,
-            queue_next_attempt_at=when,
-            queue_lock_token=None,
-            queue_attempts=attempts,
-            queue_last_attempt_at=now,
-            queue_last_error=error_text(error),
-        )
-        if _rowcount(session.execute(stmt)) != 1:
-            return NackOutcome.STALE
-        return NackOutcome.DEAD if gave_up else NackOutcome.RETRY_SCHEDULED
-
-    def release(self, session: Session, lease: EntityLease[M]) -> bool:
-        """Give a taken entity back, due now, without counting an attempt."""
-        stmt = settle(self.model, self.pk, lease.id, lease.lock_token).values(
-            queue_next_attempt_at=self.now(), queue_lock_token=None
-        )
-        return _rowcount(session.execute(stmt)) == 1
-
-    def extend(
-        self, session: Session, lease: EntityLease[M], by: timedelta | None = None
-    ) -> EntityLease[M] | None:
-        """Lengthen a lease to ``now + by`` (the queue's lease); None when already lost."""
-        until = self.now() + (self.lease if by is None else require_duration(by, "by"))
-        stmt = settle(self.model, self.pk, lease.id, lease.lock_token).values(
-            queue_next_attempt_at=until
-        )
-        if _rowcount(session.execute(stmt)) != 1:
+        taken = self.try_poll_many(session, 1)
+        if not taken:
             return None
-        return replace(lease, lease_until=until)
-
-    # -- processing ------------------------------------------------------------------------
-
-    def process_due(
-        self,
-        sessions: sessionmaker[Session],
-        handler: Handler[M],
-        *,
-        limit: int = 1,
-        transactional: bool = True,
-    ) -> int:
-        """Take up to ``limit`` due entities and run ``handler`` on each; returns how many.
-
-        Transactional mode (default): take, handle and mark in one transaction; each handler
-        runs in a savepoint, so a failure rolls back its changes and records the error, and a
-        crash rolls back everything, leaving the entities due again at once.
-
-        Lease mode (``transactional=False``): the take commits at once; each handler then runs
-        outside any transaction on the entity loaded into a session of its own, and its changes
-        commit together with the success mark. A crash means redelivery after the lease.
-
-        A take that fails with a transient error (a deadlock, a lost connection) has changed
-        nothing and run no handler, so it is tried again, up to ``TAKE_ATTEMPTS`` times.
-        """
-        attempt = 1
-        while True:
-            try:
-                return self._process_due_once(sessions, handler, limit, transactional)
-            except _TakeFailed as failed:
-                if attempt == TAKE_ATTEMPTS or not is_transient(failed.error):
-                    raise failed.error from None
-            # A take that lost a deadlock (InnoDB's SKIP LOCKED on a secondary index can)
-            # changed nothing and ran no handler: take again after a short, random pause.
-            time.sleep(random.uniform(0, 0.01 * 2**attempt))
-            attempt += 1
-
-    def _take(self, session: Session, limit: int) -> list[EntityLease[M]]:
+        envelope = taken[0]
+        savepoint = session.begin_nested()
         try:
-            return self.try_take(session, limit)
+            call_sync_handler(handler, envelope, session)
+            session.flush()
         except Exception as exc:
-            raise _TakeFailed(exc) from exc
-
-    def _process_due_once(
-        self, sessions: sessionmaker[Session], handler: Handler[M], limit: int, transactional: bool
-    ) -> int:
-        if transactional:
-            with sessions() as session, session.begin():
-                leases = self._take(session, limit)
-                for lease in leases:
-                    savepoint = session.begin_nested()
-                    try:
-                        handler(lease.entity)
-                        session.flush()
-                    except Exception as exc:
-                        savepoint.rollback()
-                        self.fail(session, lease, exc)
-                        continue
-                    if self.succeed(session, lease):
-                        savepoint.commit()
-                    else:
-                        savepoint.rollback()
-            return len(leases)
-        with sessions() as session, session.begin():
-            leases = self._take(session, limit)
-        for lease in leases:
-            self._process_leased(sessions, handler, lease)
-        return len(leases)
-
-    def _process_leased(
-        self, sessions: sessionmaker[Session], handler: Handler[M], lease: EntityLease[M]
-    ) -> None:
-        with sessions(expire_on_commit=False) as session:
-            with session.begin():
-                entity = session.get(self.model, lease.id, populate_existing=True)
-            if entity is None or entity.queue_lock_token != lease.lock_token:
-                return  # deleted, or the lease is already lost
-            try:
-                handler(entity)
-                ok = self.succeed(session, lease)
-            except Exception as exc:
-                session.rollback()
-                self.fail(session, lease, exc)
-                session.commit()
-                return
-            if ok:
-                session.commit()
-            else:
-                session.rollback()
+            savepoint.rollback()
+            if is_transient(exc):
+                raise
+            return envelope, exc, self.nack(session, envelope, exc)
+        if self.ack(session, envelope):
+            savepoint.commit()
+            return envelope, None, None
+        savepoint.rollback()  # the handler rescheduled or stopped its own entity
+        lost = LeaseLost(f"{self.name}/{envelope.key}: the lease was lost before the ack")
+        return envelope, lost, NackOutcome.STALE
 
     # -- read side -------------------------------------------------------------------------
 
@@ -723,8 +619,3 @@ class EntityQueue(Generic[M]):
         """Rows per state, among those matching ``where`` (all rows when none)."""
         row = session.execute(counts(self.model, self.now(), _conditions(where))).one()
         return EntityCounts(**{k: int(v) for k, v in row._mapping.items()})
-
-
-def _update_returning(strategy: Strategy) -> bool:
-    """Whether ``UPDATE ... RETURNING`` exists: PostgreSQL and SQLite, not MariaDB/MySQL."""
-    return strategy.update_returning

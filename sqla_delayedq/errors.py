@@ -8,12 +8,18 @@ Every error the library raises on purpose derives from :class:`DelayedQueueError
     ├── DecodeError                           a stored payload the serializer cannot read
     ├── EncodeError (also InvalidArgument)    a payload the serializer cannot write
     ├── ConfirmationRequired                  a destructive call made without its confirmation
-    └── ConcurrentUpdate                      rows kept changing under the operation: retry
-                                              the transaction (``is_transient`` says so)
+    ├── TransientError                        the database refused the transaction for now
+    │   │                                     (deadlock, serialization failure, lost
+    │   │                                     connection): roll back and run it again
+    │   └── ConcurrentUpdate                  rows kept changing under the operation
+    └── WorkerError                           a worker stopped on an error it cannot retry
 
-Driver errors (deadlocks, lost connections) are not wrapped: they surface as SQLAlchemy's
-``DBAPIError`` family so the caller's retry logic sees the usual types; see
-:func:`sqla_delayedq.is_transient`.
+A transient driver error raised inside a queue operation is re-raised as
+:class:`TransientError` with the driver's error as ``__cause__``. The caller's transaction is
+then unusable: roll it back and run the whole unit of work again, for example with
+:func:`sqla_delayedq.run_in_transaction`. Other driver errors (constraint violations, bad SQL)
+surface unchanged as SQLAlchemy's ``DBAPIError`` family; :func:`sqla_delayedq.is_transient`
+tells the two apart for both.
 """
 
 from __future__ import annotations
@@ -25,7 +31,9 @@ __all__ = [
     "DelayedQueueError",
     "EncodeError",
     "InvalidArgument",
+    "TransientError",
     "UnsupportedBackend",
+    "WorkerError",
 ]
 
 
@@ -53,5 +61,13 @@ class ConfirmationRequired(DelayedQueueError):
     """A destructive operation was called without its explicit confirmation."""
 
 
-class ConcurrentUpdate(DelayedQueueError):
+class TransientError(DelayedQueueError):
+    """The database refused the transaction for now; roll it back and run it again."""
+
+
+class ConcurrentUpdate(TransientError):
     """Concurrent transactions kept changing the rows; roll back and retry the transaction."""
+
+
+class WorkerError(DelayedQueueError):
+    """A worker stopped because of an error it must not retry (a bug, a missing table)."""

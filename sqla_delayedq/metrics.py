@@ -43,6 +43,7 @@ from sqlalchemy import Table
 from sqlalchemy.orm import Session
 
 from ._cli_stats import QueueStats, queue_stats
+from ._handlers import is_async_callable
 from ._types import Envelope, NackOutcome, OfferMode, OfferResult
 from .models import DelayedMessage
 from .worker import Handler, WorkerHooks
@@ -492,21 +493,34 @@ def _span_attributes(queue: str, key: str | None = None) -> dict[str, Any]:
 def traced_handler(handler: Handler, *, tracer: Tracer | None = None) -> Handler:
     """``handler`` inside a ``process <queue>`` consumer span (exceptions recorded).
 
-    Works for both modes: the envelope is the first argument.
+    Works for both modes (the envelope is the first argument) and for both kinds of handler:
+    an ``async def`` handler gets an ``async def`` wrapper whose span covers the awaited work.
     """
     from opentelemetry import trace
 
     t = tracer or trace.get_tracer(INSTRUMENTATION, _version())
 
-    @functools.wraps(handler)
-    def traced(envelope: Envelope[Any], *args: Any, **kwargs: Any) -> Any:
+    def span(envelope: Envelope[Any]) -> Any:
         attrs = _span_attributes(envelope.queue, envelope.key)
         attrs["messaging.operation.type"] = "process"
         attrs["delayedq.attempt"] = envelope.attempt
         attrs["delayedq.delivery"] = envelope.delivery.value
-        with t.start_as_current_span(
+        return t.start_as_current_span(
             f"process {envelope.queue}", kind=trace.SpanKind.CONSUMER, attributes=attrs
-        ):
+        )
+
+    if is_async_callable(handler):
+
+        @functools.wraps(handler)
+        async def traced_async(envelope: Envelope[Any], *args: Any, **kwargs: Any) -> Any:
+            with span(envelope):
+                return await handler(envelope, *args, **kwargs)
+
+        return traced_async
+
+    @functools.wraps(handler)
+    def traced(envelope: Envelope[Any], *args: Any, **kwargs: Any) -> Any:
+        with span(envelope):
             return handler(envelope, *args, **kwargs)
 
     return traced

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import secrets
 import uuid
@@ -318,7 +319,63 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     kwargs = {name: pyfuncitem.funcargs[name] for name in names}
 
     async def main() -> None:
-        await greenlet_spawn(pyfuncitem.obj, **kwargs)
+        await greenlet_spawn(functools.partial(pyfuncitem.obj, **kwargs))
 
     asyncio.run(main())
     return True
+
+
+ASYNC_DRIVERS = {
+    "sqlite": "sqlite+aiosqlite",
+    "postgresql": "postgresql+psycopg",
+    "mariadb": "mysql+aiomysql",
+}
+
+
+@dataclass
+class AsyncBackend:
+    """One backend's database through its asyncio driver, beside the sync ``Backend``."""
+
+    name: str
+    sync: Backend
+    engine: Any
+    sessions: Any
+
+
+def _async_backend(
+    name: str, made: dict[str, Backend], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[AsyncBackend]:
+    from sqlalchemy.ext.asyncio import async_sessionmaker
+
+    from sqla_delayedq.aio import create_async_engine
+
+    for sync in _emptied(name, made, tmp_path_factory):
+        url = sync.url.set(drivername=ASYNC_DRIVERS[name])
+        engine = create_async_engine(url, poolclass=sa.NullPool)
+        try:
+            yield AsyncBackend(
+                name, sync, engine, async_sessionmaker(engine, expire_on_commit=False)
+            )
+        finally:
+            asyncio.run(engine.dispose())
+
+
+@pytest.fixture(params=BACKENDS)
+def async_backend(
+    request: pytest.FixtureRequest,
+    _backend_databases: dict[str, Backend],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[AsyncBackend]:
+    """Each backend through its asyncio driver (aiosqlite, psycopg async, aiomysql), with an
+    empty default queue table; connections are not pooled across event loops."""
+    yield from _async_backend(request.param, _backend_databases, tmp_path_factory)
+
+
+@pytest.fixture(params=SERVER_BACKENDS)
+def async_server_backend(
+    request: pytest.FixtureRequest,
+    _backend_databases: dict[str, Backend],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[AsyncBackend]:
+    """PostgreSQL and MariaDB through their asyncio drivers."""
+    yield from _async_backend(request.param, _backend_databases, tmp_path_factory)

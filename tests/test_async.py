@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
+from typing import cast
 
 import pytest
 import sqlalchemy as sa
@@ -12,7 +13,7 @@ from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
 from sqla_delayedq import DelayedMessage, DelayedQueue, Delivery, Outcome
 from sqla_delayedq.aio import AsyncQueue, AsyncWorker
 
-T = DelayedMessage.__table__
+T = cast(sa.Table, DelayedMessage.__table__)
 
 
 @pytest.fixture
@@ -45,6 +46,7 @@ def test_offer_poll_ack_through_async_session(async_sessions, clock):
             assert {e.key for e in envs} == {"k", "a", "b"}
             again = next(e for e in envs if e.key == "k")
             assert again.delivery is Delivery.REDELIVERY
+            assert env is not None
             assert not await aq.ack(s, env)  # the expired take's late ack loses
             assert await aq.ack_many(s, envs) == 3
         async with async_sessions() as s:

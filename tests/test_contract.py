@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import cast
 
 import pytest
 import sqlalchemy as sa
@@ -20,7 +21,7 @@ from sqla_delayedq import (
 )
 from tests.fix_queue import record_sql
 
-T = DelayedMessage.__table__
+T = cast(sa.Table, DelayedMessage.__table__)
 
 
 @pytest.fixture
@@ -326,7 +327,7 @@ def test_drop_reschedule_and_drop_all(backend, make_queue, clock):
         assert q.drop_all(s, confirm="q") == 5
         assert other.contains(s, "k0")
         with pytest.raises(InvalidArgument):
-            q.drop_where(s, None)  # type: ignore[arg-type]
+            q.drop_where(s, None)
 
 
 def test_retention_keeps_acked_messages_as_done_then_prunes(backend, make_queue, clock):

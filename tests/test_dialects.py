@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from datetime import datetime, timezone
+from typing import cast
 
 import pytest
+import sqlalchemy as sa
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 
 from sqla_delayedq import DelayedMessage, UnsupportedBackend
@@ -13,11 +15,11 @@ from sqla_delayedq._dialects import (
     MariaDBStrategy,
     MySQLStrategy,
     PostgreSQLStrategy,
-    _strategy_class,
     is_transient,
+    strategy_class,
 )
 
-T = DelayedMessage.__table__
+T = cast(sa.Table, DelayedMessage.__table__)
 NOW = datetime(2030, 1, 1, tzinfo=timezone.utc)
 
 
@@ -30,22 +32,21 @@ def dialect_with(dialect, version):
     ("dialect", "version", "message"),
     [
         (postgresql.dialect(), (11, 9), "PostgreSQL 11.9 is too old"),
-        (mysql.dialect(), (8, 0, 0), "SKIP LOCKED arrived in MySQL 8.0.1"),
+        (mysql.dialect(), (8, 0, 16), "utf8mb4_0900_bin.*in 8.0.17"),
         (mysql.dialect(is_mariadb=True), (10, 5, 12), "SKIP LOCKED arrived in MariaDB 10.6"),
     ],
 )
 def test_older_servers_are_refused_with_a_clear_error(dialect, version, message):
     d = dialect_with(dialect, version)
     with pytest.raises(UnsupportedBackend, match=message):
-        _strategy_class(d)(d)
+        strategy_class(d)(d)
 
 
 def test_strategies_are_chosen_by_capability_not_just_by_name():
-    assert _strategy_class(dialect_with(postgresql.dialect(), (15, 2))) is PostgreSQLStrategy
-    assert _strategy_class(dialect_with(mysql.dialect(), (8, 0, 36))) is MySQLStrategy
+    assert strategy_class(dialect_with(postgresql.dialect(), (15, 2))) is PostgreSQLStrategy
+    assert strategy_class(dialect_with(mysql.dialect(), (8, 0, 36))) is MySQLStrategy
     maria = dialect_with(mysql.dialect(is_mariadb=True), (10, 11, 6))
-    assert _strategy_class(maria) is MariaDBStrategy
-    assert MariaDBStrategy.insert_returning and not MySQLStrategy.insert_returning
+    assert strategy_class(maria) is MariaDBStrategy
     assert not MySQLStrategy.update_returning and PostgreSQLStrategy.has_notify
 
 

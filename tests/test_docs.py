@@ -140,7 +140,7 @@ class Run:
         for t in self.threads:
             t.start()
 
-    def _read(self, stream, sink: list[str]) -> None:  # type: ignore[no-untyped-def]
+    def _read(self, stream, sink: list[str]) -> None:
         for line in stream:
             sink.append(line)
             if not line.startswith(STARTED):

@@ -26,26 +26,26 @@ from sqlalchemy.engine import URL
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from sqla_delayedq import (
-    Delivery,
+    Envelope,
     ExponentialBackoff,
     InvalidArgument,
     NackOutcome,
     create_engine,
 )
+from sqla_delayedq._consumer import PROCESS_DUE_RETRIES, Mode
 from sqla_delayedq._dialects import strategy_for
+from sqla_delayedq._statements import select_due_entities
 from sqla_delayedq.entity import (
-    TAKE_ATTEMPTS,
     EntityCounts,
-    EntityLease,
     EntityQueue,
     EntityQueueMixin,
     EntityStatus,
     failed,
     pending,
     retrying,
-    select_due,
     succeeded,
 )
+from sqla_delayedq.worker import Worker
 from tests.entity_app.models import Base, Order, OrderBefore
 from tests.fix_db import Backend
 from tests.fix_queue import FakeClock
@@ -133,7 +133,7 @@ def test_a_new_entity_is_idle_until_scheduled(db: Backend, queue: EntityQueue[Or
         None,
     )
     with db.Session() as s, s.begin():
-        assert queue.try_take(s) == []
+        assert queue.try_poll_many(s, 1) == []
         assert queue.counts(s) == EntityCounts(0, 0, 0, 0, 0, 1)
 
 
@@ -183,30 +183,30 @@ def test_take_loads_the_entity_into_the_session_and_hides_it_for_the_lease(
         assert order is not None
         assert queue.schedule(s, order) == 1
     with db.Session() as s, s.begin():
-        [lease] = queue.try_take(s)
+        [lease] = queue.try_poll_many(s, 1)
         assert lease.id == order_id
-        assert lease.entity is s.get(Order, order_id)
-        assert lease.entity.reference == "o-0"
-        assert lease.entity.queue_lock_token == lease.lock_token
-        assert lease.entity.queue_next_attempt_at == lease.lease_until
+        assert lease.payload is s.get(Order, order_id)
+        assert lease.payload.reference == "o-0"
+        assert lease.payload.queue_lock_token == lease.lock_token
+        assert lease.payload.queue_next_attempt_at == lease.lease_until
         assert (lease.attempt, lease.delivery.value, lease.scheduled_at) == (1, "first", clock())
         assert lease.lease_until == clock() + timedelta(minutes=1)
     with db.Session() as s, s.begin():
-        assert queue.try_take(s) == []
+        assert queue.try_poll_many(s, 1) == []
         assert queue.counts(s).in_flight == 1
 
 
-def test_succeed_marks_the_row_and_a_second_succeed_is_harmless(
+def test_ack_marks_the_row_and_a_second_ack_is_harmless(
     db: Backend, queue: EntityQueue[Order], clock: FakeClock
 ) -> None:
     [order_id] = add_orders(db.Session, 1)
     with db.Session() as s, s.begin():
         queue.schedule(s, Order.id == order_id)
-        [lease] = queue.try_take(s)
+        [lease] = queue.try_poll_many(s, 1)
     clock.advance(3)
     with db.Session() as s, s.begin():
-        assert queue.succeed(s, lease)
-        assert not queue.succeed(s, lease)
+        assert queue.ack(s, lease)
+        assert not queue.ack(s, lease)
     order = row(db.Session, order_id)
     assert order.queue_status == "succeeded"
     assert order.queue_next_attempt_at is None
@@ -225,13 +225,13 @@ def test_transactional_mode_commits_the_handlers_changes_with_the_success_mark(
     with db.Session() as s, s.begin():
         queue.schedule(s, Order.id == order_id)
     with db.Session() as s, s.begin():
-        [lease] = queue.try_take(s)
-        lease.entity.payment_ref = "pay-1"
-        lease.entity.charge_count += 1
-        assert queue.succeed(s, lease)
+        [lease] = queue.try_poll_many(s, 1)
+        lease.payload.payment_ref = "pay-1"
+        lease.payload.charge_count += 1
+        assert queue.ack(s, lease)
         # The Session's copy shows the new queue state without a reload.
-        assert lease.entity.queue_status == "succeeded"
-        assert lease.entity.queue_next_attempt_at is None
+        assert lease.payload.queue_status == "succeeded"
+        assert lease.payload.queue_next_attempt_at is None
     order = row(db.Session, order_id)
     assert (order.payment_ref, order.charge_count, order.queue_status) == ("pay-1", 1, "succeeded")
 
@@ -242,13 +242,13 @@ def test_a_rolled_back_take_is_due_again_at_once(db: Backend, queue: EntityQueue
         queue.schedule(s, Order.id == order_id)
     with db.Session() as s:
         s.begin()
-        [lease] = queue.try_take(s)
-        lease.entity.payment_ref = "lost"
+        [lease] = queue.try_poll_many(s, 1)
+        lease.payload.payment_ref = "lost"
         s.rollback()
     with db.Session() as s, s.begin():
-        [again] = queue.try_take(s)
+        [again] = queue.try_poll_many(s, 1)
         assert again.delivery.value == "first"
-        assert again.entity.payment_ref is None
+        assert again.payload.payment_ref is None
 
 
 def test_due_order_is_next_attempt_then_primary_key(
@@ -261,7 +261,12 @@ def test_due_order_is_next_attempt_then_primary_key(
         queue.schedule(s, Order.id == ids[2], at=clock() - timedelta(seconds=1))
     clock.advance(2)
     with db.Session() as s, s.begin():
-        assert [lease.id for lease in queue.try_take(s, 10)] == [ids[2], ids[1], ids[3], ids[0]]
+        assert [lease.id for lease in queue.try_poll_many(s, 10)] == [
+            ids[2],
+            ids[1],
+            ids[3],
+            ids[0],
+        ]
 
 
 def test_scheduled_later_is_not_due_before_its_time(
@@ -270,11 +275,11 @@ def test_scheduled_later_is_not_due_before_its_time(
     [order_id] = add_orders(db.Session, 1)
     with db.Session() as s, s.begin():
         queue.schedule(s, Order.id == order_id, at=clock() + timedelta(hours=1))
-        assert queue.try_take(s) == []
+        assert queue.try_poll_many(s, 1) == []
         assert queue.counts(s).scheduled == 1
     clock.advance(timedelta(hours=1))
     with db.Session() as s, s.begin():
-        assert len(queue.try_take(s)) == 1
+        assert len(queue.try_poll_many(s, 1)) == 1
 
 
 def test_schedule_a_new_entity_in_its_insert(db: Backend, queue: EntityQueue[Order]) -> None:
@@ -282,8 +287,8 @@ def test_schedule_a_new_entity_in_its_insert(db: Backend, queue: EntityQueue[Ord
         order = Order(reference="fresh", company_id=2, amount_cents=5)
         assert queue.schedule(s, order) == 1
     with db.Session() as s, s.begin():
-        [lease] = queue.try_take(s)
-        assert lease.entity.reference == "fresh"
+        [lease] = queue.try_poll_many(s, 1)
+        assert lease.payload.reference == "fresh"
 
 
 def test_an_expired_lease_is_redelivered_and_the_old_lease_cannot_settle(
@@ -292,21 +297,22 @@ def test_an_expired_lease_is_redelivered_and_the_old_lease_cannot_settle(
     [order_id] = add_orders(db.Session, 1)
     with db.Session() as s, s.begin():
         queue.schedule(s, Order.id == order_id)
-        [first] = queue.try_take(s)
+        [first] = queue.try_poll_many(s, 1)
     clock.advance(timedelta(minutes=1))
     with db.Session() as s, s.begin():
-        [second] = queue.try_take(s)
-        assert second.redelivered and second.attempt == 1
+        [second] = queue.try_poll_many(s, 1)
+        # The lost lease counts as an attempt, as it does for messages.
+        assert second.redelivered and second.attempt == 2
         assert second.lock_token != first.lock_token
     with db.Session() as s, s.begin():
-        assert not queue.succeed(s, first)
-        assert queue.fail(s, first, "late") is NackOutcome.STALE
+        assert not queue.ack(s, first)
+        assert queue.nack(s, first, "late") is NackOutcome.STALE
         assert not queue.release(s, first)
         assert queue.extend(s, first) is None
-        assert queue.succeed(s, second)
+        assert queue.ack(s, second)
 
 
-def test_fail_retries_with_backoff_then_gives_up_and_retry_failed_starts_over(
+def test_nack_retries_with_backoff_then_gives_up_and_retry_failed_starts_over(
     db: Backend, queue: EntityQueue[Order], clock: FakeClock
 ) -> None:
     [order_id] = add_orders(db.Session, 1, company_id=3345)
@@ -315,9 +321,9 @@ def test_fail_retries_with_backoff_then_gives_up_and_retry_failed_starts_over(
     outcomes = []
     for attempt, delay in ((1, 10), (2, 20), (3, None)):
         with db.Session() as s, s.begin():
-            [lease] = queue.try_take(s)
+            [lease] = queue.try_poll_many(s, 1)
             assert lease.attempt == attempt
-            outcomes.append(queue.fail(s, lease, ValueError(f"declined #{attempt}")))
+            outcomes.append(queue.nack(s, lease, ValueError(f"declined #{attempt}")))
         order = row(db.Session, order_id)
         assert order.queue_status == "failed"
         assert order.queue_attempts == attempt
@@ -337,25 +343,25 @@ def test_fail_retries_with_backoff_then_gives_up_and_retry_failed_starts_over(
         NackOutcome.DEAD,
     ]
     with db.Session() as s, s.begin():
-        assert queue.try_take(s) == []
+        assert queue.try_poll_many(s, 1) == []
         assert [o.id for o in s.scalars(failed(Order))] == [order_id]
         assert queue.retry_failed(s, Order.company_id == 1) == 0
         assert queue.retry_failed(s, Order.company_id == 3345) == 1
-        [lease] = queue.try_take(s)
+        [lease] = queue.try_poll_many(s, 1)
         assert lease.attempt == 1
-        assert queue.succeed(s, lease)
+        assert queue.ack(s, lease)
     order = row(db.Session, order_id)
     assert (order.queue_status, order.queue_attempts) == ("succeeded", 1)
     assert order.queue_last_error is not None  # the last failure stays on record
 
 
-def test_fail_at_an_explicit_time(db: Backend, queue: EntityQueue[Order], clock: FakeClock) -> None:
+def test_nack_at_an_explicit_time(db: Backend, queue: EntityQueue[Order], clock: FakeClock) -> None:
     [order_id] = add_orders(db.Session, 1)
     at = clock() + timedelta(days=1)
     with db.Session() as s, s.begin():
         queue.schedule(s, Order.id == order_id)
-        [lease] = queue.try_take(s)
-        assert queue.fail(s, lease, "provider down", at=at) is NackOutcome.RETRY_SCHEDULED
+        [lease] = queue.try_poll_many(s, 1)
+        assert queue.nack(s, lease, "provider down", at) is NackOutcome.RETRY_SCHEDULED
     assert row(db.Session, order_id).queue_next_attempt_at == at
 
 
@@ -365,10 +371,10 @@ def test_release_gives_the_entity_back_without_counting_an_attempt(
     [order_id] = add_orders(db.Session, 1)
     with db.Session() as s, s.begin():
         queue.schedule(s, Order.id == order_id, at=clock() - timedelta(hours=1))
-        [lease] = queue.try_take(s)
+        [lease] = queue.try_poll_many(s, 1)
         assert queue.release(s, lease)
     with db.Session() as s, s.begin():
-        [again] = queue.try_take(s)
+        [again] = queue.try_poll_many(s, 1)
         assert (again.attempt, again.delivery.value, again.scheduled_at) == (1, "first", clock())
 
 
@@ -378,42 +384,40 @@ def test_extend_lengthens_the_lease(
     [order_id] = add_orders(db.Session, 1)
     with db.Session() as s, s.begin():
         queue.schedule(s, Order.id == order_id)
-        [lease] = queue.try_take(s)
+        [lease] = queue.try_poll_many(s, 1)
     clock.advance(50)
     with db.Session() as s, s.begin():
         longer = queue.extend(s, lease, timedelta(minutes=10))
         assert longer is not None and longer.lease_until == clock() + timedelta(minutes=10)
     clock.advance(timedelta(minutes=5))
     with db.Session() as s, s.begin():
-        assert queue.try_take(s) == []
-        assert queue.succeed(s, longer)
+        assert queue.try_poll_many(s, 1) == []
+        assert queue.ack(s, longer)
 
 
-def test_succeed_can_delete_rows_that_only_stand_for_the_work(
-    db: Backend, clock: FakeClock
-) -> None:
+def test_ack_can_delete_rows_that_only_stand_for_the_work(db: Backend, clock: FakeClock) -> None:
     queue = EntityQueue(Order, clock=clock, delete_on_success=True)
     ids = add_orders(db.Session, 2)
     with db.Session() as s, s.begin():
         queue.schedule(s, true())
-        first, second = queue.try_take(s, 2)
-        assert queue.succeed(s, first)
-        assert queue.succeed(s, second, delete=False)
+        first, _ = queue.try_poll_many(s, 2)
+        assert queue.ack(s, first)
+        assert not queue.ack(s, first)
     with db.Session() as s:
         assert s.scalars(select(Order.id)).all() == [ids[1]]
 
 
-def test_succeed_many_marks_a_batch_in_one_statement_per_take(
+def test_ack_many_marks_a_batch_in_one_statement_per_take(
     db: Backend, queue: EntityQueue[Order], clock: FakeClock
 ) -> None:
     ids = add_orders(db.Session, 5)
     with db.Session() as s, s.begin():
         queue.schedule(s, true())
-        taken = queue.try_take(s, 3) + queue.try_take(s, 3)
+        taken = queue.try_poll_many(s, 3) + queue.try_poll_many(s, 3)
         for lease in taken:
-            lease.entity.charge_count += 1
-        assert queue.succeed_many(s, taken) == 5
-        assert {lease.entity.queue_status for lease in taken} == {"succeeded"}
+            lease.payload.charge_count += 1
+        assert queue.ack_many(s, taken) == 5
+        assert {lease.payload.queue_status for lease in taken} == {"succeeded"}
     with db.Session() as s:
         orders = s.scalars(select(Order).order_by(Order.id)).all()
         assert [o.id for o in orders] == ids
@@ -432,11 +436,11 @@ def test_search_by_the_users_own_columns_is_a_plain_select(
     add_orders(db.Session, 2, company_id=7, start=100)
     with db.Session() as s, s.begin():
         queue.schedule(s, true())
-        for lease in queue.try_take(s, 10):
-            if lease.entity.amount_cents % 2:
-                queue.fail(s, lease, "card declined")
+        for lease in queue.try_poll_many(s, 10):
+            if lease.payload.amount_cents % 2:
+                queue.nack(s, lease, "card declined")
             else:
-                queue.succeed(s, lease)
+                queue.ack(s, lease)
     with db.Session() as s:
         plain = select(Order).where(Order.company_id == 3345, Order.queue_status == "failed")
         failed_3345 = s.scalars(plain.order_by(Order.id)).all()
@@ -459,13 +463,13 @@ def test_stop_clears_the_next_attempt_and_wins_over_a_consumer_in_flight(
     a, b, c = add_orders(db.Session, 3)
     with db.Session() as s, s.begin():
         queue.schedule(s, true())
-        [lease] = queue.try_take(s)
+        [lease] = queue.try_poll_many(s, 1)
         assert lease.id == a
     with db.Session() as s, s.begin():
         assert queue.stop(s, Order.id.in_([a, b])) == 2
     with db.Session() as s, s.begin():
-        assert not queue.succeed(s, lease)
-        assert [lease.id for lease in queue.try_take(s, 10)] == [c]
+        assert not queue.ack(s, lease)
+        assert [lease.id for lease in queue.try_poll_many(s, 10)] == [c]
     assert row(db.Session, a).queue_status == "new"
     assert row(db.Session, b).queue_next_attempt_at is None
 
@@ -477,11 +481,11 @@ def test_process_now_moves_waiting_rows_to_now_only(
     with db.Session() as s, s.begin():
         queue.schedule(s, Order.id == later, at=clock() + timedelta(days=2))
         queue.schedule(s, Order.id == flight)
-        [lease] = queue.try_take(s)
+        [lease] = queue.try_poll_many(s, 1)
         assert lease.id == flight
     with db.Session() as s, s.begin():
         assert queue.process_now(s, Order.company_id == 9) == 1
-        [taken] = queue.try_take(s, 10)
+        [taken] = queue.try_poll_many(s, 10)
         assert (taken.id, taken.scheduled_at) == (later, clock())
     assert row(db.Session, idle).queue_next_attempt_at is None
 
@@ -492,8 +496,8 @@ def test_schedule_by_filter_starts_a_fresh_run_and_resets_the_lease(
     ids = add_orders(db.Session, 3, company_id=4)
     with db.Session() as s, s.begin():
         assert queue.schedule(s, Order.company_id == 4) == 3
-        [lease] = queue.try_take(s)
-        queue.fail(s, lease, "once")
+        [lease] = queue.try_poll_many(s, 1)
+        queue.nack(s, lease, "once")
     at = clock() + timedelta(minutes=30)
     with db.Session() as s, s.begin():
         assert queue.schedule(s, Order.id == ids[0], at=at) == 1
@@ -536,7 +540,7 @@ def test_bad_input_is_rejected_before_any_sql(
         with pytest.raises(InvalidArgument, match="naive"):
             queue.schedule(s, Order.id == order_id, at=clock().replace(tzinfo=None))
         with pytest.raises(InvalidArgument, match="positive"):
-            queue.try_take(s, 0)
+            queue.try_poll_many(s, 0)
         with pytest.raises(InvalidArgument, match="entities or a SQL condition"):
             queue.schedule(s, ["x"])  # type: ignore[list-item]
         with pytest.raises(InvalidArgument, match="whereclause"):
@@ -544,7 +548,7 @@ def test_bad_input_is_rejected_before_any_sql(
         assert queue.counts(s).pending == 0
 
 
-# -- the processing helper ---------------------------------------------------------------------
+# -- served by the worker --------------------------------------------------------------------
 
 
 class Provider:
@@ -554,7 +558,8 @@ class Provider:
         self.declines = declines
         self.calls: list[int] = []
 
-    def charge(self, order: Order) -> None:
+    def charge(self, envelope: Envelope[Order], session: Session | None = None) -> None:
+        order = envelope.payload
         self.calls.append(order.id)
         if order.amount_cents in self.declines:
             raise RuntimeError(f"declined {order.amount_cents}")
@@ -562,17 +567,20 @@ class Provider:
         order.payment_ref = f"pay-{order.id}"
 
 
-@pytest.mark.parametrize("transactional", [True, False], ids=["transactional", "lease"])
-def test_process_due_commits_success_with_the_handlers_changes_and_rolls_back_failures(
-    db: Backend, queue: EntityQueue[Order], transactional: bool
+@pytest.mark.parametrize("mode", ["transactional", "lease"])
+def test_a_worker_commits_success_with_the_handlers_changes_and_rolls_back_failures(
+    db: Backend, queue: EntityQueue[Order], mode: Mode
 ) -> None:
+    """Transactional mode commits the handler's changes with the mark; lease mode writes the
+    changes to the entity's own columns with the ack. A failed attempt writes none of them."""
     ids = add_orders(db.Session, 4)
     provider = Provider(declines={101})
     with db.Session() as s, s.begin():
         queue.schedule(s, true())
-    assert queue.process_due(db.Session, provider.charge, limit=3, transactional=transactional) == 3
-    assert queue.process_due(db.Session, provider.charge, transactional=transactional) == 1
-    assert queue.process_due(db.Session, provider.charge, transactional=transactional) == 0
+    worker = Worker(db.Session).register(queue, provider.charge, mode=mode)
+    assert worker.process_due(limit=3) == 3
+    assert worker.process_due() == 1
+    assert worker.process_due() == 0
     assert sorted(provider.calls) == ids
     with db.Session() as s:
         orders = {o.id: o for o in s.scalars(select(Order))}
@@ -586,6 +594,28 @@ def test_process_due_commits_success_with_the_handlers_changes_and_rolls_back_fa
             assert order.payment_ref == f"pay-{order.id}"
 
 
+def test_a_lease_mode_ack_writes_only_the_columns_the_handler_changed(
+    db: Backend, queue: EntityQueue[Order]
+) -> None:
+    """Another writer's change to a column the handler left alone survives the ack."""
+    [order_id] = add_orders(db.Session, 1)
+    with db.Session() as s, s.begin():
+        queue.schedule(s, true())
+    with db.Session(expire_on_commit=False) as s, s.begin():
+        [envelope] = queue.try_poll_many(s, 1)
+    with db.Session() as s, s.begin():  # the application edits the order meanwhile
+        s.get(Order, order_id).amount_cents = 999
+    envelope.payload.payment_ref = "pay-x"  # the handler's change, on its snapshot
+    with db.Session() as s, s.begin():
+        assert queue.ack(s, envelope)
+    order = row(db.Session, order_id)
+    assert (order.payment_ref, order.amount_cents, order.queue_status) == (
+        "pay-x",
+        999,
+        "succeeded",
+    )
+
+
 def _deadlock() -> sa.exc.OperationalError:
     import pymysql
 
@@ -594,50 +624,54 @@ def _deadlock() -> sa.exc.OperationalError:
     )
 
 
-@pytest.mark.parametrize("transactional", [True, False], ids=["transactional", "lease"])
+@pytest.mark.parametrize("mode", ["transactional", "lease"])
 def test_process_due_takes_again_after_a_deadlocked_take(
-    db: Backend, queue: EntityQueue[Order], transactional: bool, monkeypatch: pytest.MonkeyPatch
+    db: Backend, queue: EntityQueue[Order], mode: Mode, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     [order_id] = add_orders(db.Session, 1)
     with db.Session() as s, s.begin():
         queue.schedule(s, true())
-    real_take = EntityQueue.try_take
+    real_take = EntityQueue.try_poll_many
     takes: list[int] = []
 
-    def flaky_take(self: EntityQueue[Order], session: Session, n: int = 1, **kw: Any) -> Any:
+    def flaky_take(self: EntityQueue[Order], session: Session, n: int, **kw: Any) -> Any:
         takes.append(n)
         if len(takes) <= 2:
             raise _deadlock()
         return real_take(self, session, n, **kw)
 
-    monkeypatch.setattr(EntityQueue, "try_take", flaky_take)
+    monkeypatch.setattr(EntityQueue, "try_poll_many", flaky_take)
     handled: list[int] = []
-    assert (
-        queue.process_due(db.Session, lambda o: handled.append(o.id), transactional=transactional)
-        == 1
-    )
-    assert (handled, len(takes)) == ([order_id], 3)
+
+    def handler(envelope: Envelope[Order], session: Session | None = None) -> None:
+        handled.append(envelope.payload.id)
+
+    worker = Worker(db.Session).register(queue, handler, mode=mode)
+    assert worker.process_due() == 1
+    assert handled == [order_id]
+    assert len(takes) >= 3
 
 
 def test_process_due_gives_up_on_lasting_or_non_transient_take_errors(
     db: Backend, queue: EntityQueue[Order], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     add_orders(db.Session, 1)
-    errors = [_deadlock(), ValueError("a bug")]
+    errors: list[Exception] = [_deadlock(), ValueError("a bug")]
     takes: list[int] = []
 
-    def failing_take(self: EntityQueue[Order], session: Session, n: int = 1, **kw: Any) -> Any:
+    def failing_take(self: EntityQueue[Order], session: Session, n: int, **kw: Any) -> Any:
         takes.append(n)
         raise errors[0]
 
-    monkeypatch.setattr(EntityQueue, "try_take", failing_take)
+    monkeypatch.setattr(EntityQueue, "try_poll_many", failing_take)
+    worker = Worker(db.Session).register(queue, lambda env: None)
     with pytest.raises(sa.exc.OperationalError):
-        queue.process_due(db.Session, lambda o: None)
-    assert len(takes) == TAKE_ATTEMPTS
+        worker.process_due()
+    assert len(takes) == PROCESS_DUE_RETRIES + 1
     errors.pop(0)
     takes.clear()
     with pytest.raises(ValueError, match="a bug"):
-        queue.process_due(db.Session, lambda o: None)
+        worker.process_due()
     assert len(takes) == 1
 
 
@@ -659,7 +693,9 @@ def test_the_take_locks_with_skip_locked_where_the_backend_has_it(
     queue: EntityQueue[Order],
 ) -> None:
     def sql(backend: str, lock: Any) -> str:
-        return compiled(select_due(Order, queue.pk, queue.now(), 5, lock), DIALECTS[backend]())
+        return compiled(
+            select_due_entities(Order, queue.shape, queue.now(), 5, lock), DIALECTS[backend]()
+        )
 
     pg = sql("postgresql", "update_skip_locked")
     maria = sql("mariadb", "update_skip_locked")
@@ -677,7 +713,7 @@ def test_the_take_on_postgresql_is_an_index_scan(pg: Backend, queue: EntityQueue
     with pg.Session() as s, s.begin():
         s.execute(sa.text("ANALYZE eq_orders"))
         s.execute(sa.text("SET LOCAL enable_seqscan = off"))
-        stmt = select_due(Order, queue.pk, queue.now(), 10, "update_skip_locked")
+        stmt = select_due_entities(Order, queue.shape, queue.now(), 10, "update_skip_locked")
         conn = s.connection()
         sql = stmt.compile(dialect=conn.dialect)
         plan = "\n".join(conn.exec_driver_sql("EXPLAIN " + sql.string, sql.params).scalars())
@@ -709,16 +745,18 @@ def test_eight_consumers_process_two_thousand_entities_exactly_once(
     errors: list[BaseException] = []
     barrier = threading.Barrier(8)
 
-    def handler(order: Order) -> None:
-        processed.append(order.id)
-        order.charge_count += 1
+    def handler(envelope: Envelope[Order], session: Session | None = None) -> None:
+        processed.append(envelope.payload.id)
+        envelope.payload.charge_count += 1
+
+    worker = Worker(server_db.Session, batch_size=5).register(
+        queue, handler, mode="transactional" if transactional else "lease"
+    )
 
     def consume() -> None:
         try:
             barrier.wait()
-            while queue.process_due(
-                server_db.Session, handler, limit=5, transactional=transactional
-            ):
+            while worker.process_due(limit=5):
                 pass
         except BaseException as exc:
             errors.append(exc)
@@ -818,13 +856,13 @@ def test_adding_the_mixin_to_a_populated_table_autogenerates_an_alter_that_runs(
         processed: list[int] = []
         while True:
             with sessions() as s, s.begin():
-                leases = queue.try_take(s, 500)
+                leases = queue.try_poll_many(s, 500)
                 if not leases:
                     break
                 for lease in leases:
                     processed.append(lease.id)
-                    lease.entity.charge_count += 1
-                assert queue.succeed_many(s, leases) == len(leases)
+                    lease.payload.charge_count += 1
+                assert queue.ack_many(s, leases) == len(leases)
         assert len(processed) == ROWS and len(set(processed)) == ROWS
         with sessions() as s:
             assert queue.counts(s) == EntityCounts(0, 0, 0, ROWS, 0, 0)
@@ -869,7 +907,14 @@ def test_the_docs_example_runs_when_pasted(tmp_path: Path) -> None:
     ]
 
 
-def test_lease_value_object_is_frozen(clock: FakeClock) -> None:
-    lease = EntityLease(1, Order(), "t", 1, Delivery.FIRST, clock(), clock())
+def test_an_entity_envelope_is_the_frozen_envelope_of_messages(
+    db: Backend, queue: EntityQueue[Order]
+) -> None:
+    add_orders(db.Session, 1)
+    with db.Session() as s, s.begin():
+        queue.schedule(s, true())
+        [envelope] = queue.try_poll_many(s, 1)
+    assert isinstance(envelope, Envelope) and isinstance(envelope.payload, Order)
+    assert (envelope.queue, envelope.key) == ("eq_orders", str(envelope.id))
     with pytest.raises(AttributeError):
-        lease.attempt = 2  # type: ignore[misc]
+        envelope.attempt = 2  # type: ignore[misc]

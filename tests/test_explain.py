@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import cast
+
+import sqlalchemy as sa
 
 from sqla_delayedq import DelayedMessage
 from sqla_delayedq import _statements as st
 
-T = DelayedMessage.__table__
+T = cast(sa.Table, DelayedMessage.__table__)
 
 
 def explain(conn, stmt) -> str:

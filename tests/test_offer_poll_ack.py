@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
+from typing import cast
 
 import pytest
 import sqlalchemy as sa
@@ -22,7 +23,7 @@ from sqla_delayedq import (
 from sqla_delayedq.models import KEY_MAX, QUEUE_MAX
 from tests.fix_queue import record_sql
 
-T = DelayedMessage.__table__
+T = cast(sa.Table, DelayedMessage.__table__)
 
 
 @pytest.fixture
@@ -261,7 +262,7 @@ def test_bad_queue_settings_are_refused(clock):
     with pytest.raises(InvalidArgument, match="naive"):
         DelayedQueue("q", clock=lambda: datetime(2030, 1, 1)).now()
     with pytest.raises(EncodeError):
-        DelayedQueue("q", serializer=BytesSerializer())._encode("not bytes")  # type: ignore[arg-type]
+        DelayedQueue("q", serializer=BytesSerializer()).codec.values("not bytes")  # type: ignore[arg-type]
 
 
 def test_payload_type_is_recorded_and_checked(backend, make_queue):

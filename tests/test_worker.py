@@ -6,11 +6,10 @@ Handlers run on real worker threads against a real database; deliveries are coun
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -19,7 +18,8 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from sqla_delayedq import DelayedQueue, Delivery, Envelope, ExponentialBackoff, NackOutcome
-from sqla_delayedq.worker import Worker, WorkerHooks
+from sqla_delayedq.worker import WorkerHooks
+from tests.fix_workers import running
 
 MODES = ("lease", "transactional")
 DEAD = NackOutcome.DEAD
@@ -32,15 +32,6 @@ def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.
             return True
         time.sleep(interval)
     return predicate()
-
-
-@contextlib.contextmanager
-def running(worker: Worker, drain_timeout: float = 10.0) -> Iterator[Worker]:
-    worker.start()
-    try:
-        yield worker
-    finally:
-        worker.stop(drain_timeout)
 
 
 def utcnow() -> datetime:
@@ -90,7 +81,7 @@ def offer(backend: Any, q: DelayedQueue[Any], key: str, payload: Any = None, **k
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_each_message_is_handled_exactly_once(backend, mode):
+def test_each_message_is_handled_exactly_once(backend, mode, make_worker):
     total = 200
     q: DelayedQueue[Any] = DelayedQueue(f"once-{mode}")
     with backend.Session() as s, s.begin():
@@ -107,7 +98,7 @@ def test_each_message_is_handled_exactly_once(backend, mode):
         lease_handler(env)
 
     hooks = RecordingHooks()
-    worker = Worker(backend.Session, concurrency=4, poll_interval=0.1, listen=False, hooks=hooks)
+    worker = make_worker(backend, concurrency=4, poll_interval=0.1, listen=False, hooks=hooks)
     worker.register(q, lease_handler if mode == "lease" else transactional_handler, mode=mode)
     with running(worker):
         assert wait_for(lambda: len(delivered) >= total and pending(backend, q) == 0, 60, 0.05)
@@ -132,13 +123,13 @@ def _failing_handler(mode: str, seen: list[int]) -> Callable[..., None]:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_handler_exception_is_a_nack_with_the_error_text(backend, mode):
+def test_a_handler_exception_is_a_nack_with_the_error_text(backend, mode, make_worker):
     retry = ExponentialBackoff(max_attempts=5, initial=timedelta(hours=1), jitter=0)
     q: DelayedQueue[Any] = DelayedQueue("nack", retry=retry)
     offer(backend, q, "bad")
     seen: list[int] = []
     hooks = RecordingHooks()
-    worker = Worker(backend.Session, concurrency=1, poll_interval=0.1, listen=False, hooks=hooks)
+    worker = make_worker(backend, concurrency=1, poll_interval=0.1, listen=False, hooks=hooks)
     worker.register(q, _failing_handler(mode, seen), mode=mode)
     before = utcnow()
     with running(worker):
@@ -160,13 +151,13 @@ def test_a_handler_exception_is_a_nack_with_the_error_text(backend, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_message_that_keeps_failing_is_dead_after_max_attempts(backend, mode):
+def test_a_message_that_keeps_failing_is_dead_after_max_attempts(backend, mode, make_worker):
     retry = ExponentialBackoff(max_attempts=3, initial=timedelta(milliseconds=10), jitter=0)
     q: DelayedQueue[Any] = DelayedQueue("dies", retry=retry)
     offer(backend, q, "bad")
     seen: list[int] = []
     hooks = RecordingHooks()
-    worker = Worker(backend.Session, concurrency=1, poll_interval=0.05, listen=False, hooks=hooks)
+    worker = make_worker(backend, concurrency=1, poll_interval=0.05, listen=False, hooks=hooks)
     worker.register(q, _failing_handler(mode, seen), mode=mode)
     with running(worker):
         assert wait_for(lambda: len(hooks.failed_) >= 3, 10)
@@ -186,7 +177,7 @@ def test_a_message_that_keeps_failing_is_dead_after_max_attempts(backend, mode):
     assert (counts.dead, counts.pending) == (1, 0)
 
 
-def test_a_failing_transactional_handler_runs_at_most_max_attempts_times(backend):
+def test_a_failing_transactional_handler_runs_at_most_max_attempts_times(backend, make_worker):
     """Each failed run counts: no other thread may take the message before its failure is
     recorded and run it again under the same attempt number."""
     retry = ExponentialBackoff(max_attempts=2, initial=timedelta(milliseconds=10), jitter=0)
@@ -202,7 +193,7 @@ def test_a_failing_transactional_handler_runs_at_most_max_attempts_times(backend
             runs.append((env.key, env.attempt))
         raise ValueError("always")
 
-    worker = Worker(backend.Session, concurrency=4, poll_interval=0.02, listen=False)
+    worker = make_worker(backend, concurrency=4, poll_interval=0.02, listen=False)
     worker.register(q, handler, mode="transactional")
     with running(worker):
         wait_for(lambda: pending(backend, q) == 0, 10, 0.05)
@@ -229,7 +220,9 @@ def effects_table(backend):
     effects.drop(backend.engine, checkfirst=True)
 
 
-def test_transactional_writes_commit_with_the_ack_and_roll_back_on_failure(backend, effects_table):
+def test_transactional_writes_commit_with_the_ack_and_roll_back_on_failure(
+    backend, effects_table, make_worker
+):
     retry = ExponentialBackoff(max_attempts=5, initial=timedelta(hours=1), jitter=0)
     q: DelayedQueue[Any] = DelayedQueue("effects", retry=retry)
     with backend.Session() as s, s.begin():
@@ -245,7 +238,7 @@ def test_transactional_writes_commit_with_the_ack_and_roll_back_on_failure(backe
             session.execute(effects.insert().values(key=env.key, note="again"))
 
     hooks = RecordingHooks()
-    worker = Worker(backend.Session, concurrency=1, poll_interval=0.1, listen=False, hooks=hooks)
+    worker = make_worker(backend, concurrency=1, poll_interval=0.1, listen=False, hooks=hooks)
     worker.register(q, handler, mode="transactional")
     with running(worker):
         assert wait_for(lambda: len(hooks.processed_) + len(hooks.failed_) >= 3, 10)
@@ -271,7 +264,7 @@ KILL_OWN_CONNECTION = {
 
 
 def test_a_lost_connection_in_a_transactional_handler_is_retried_not_a_failed_attempt(
-    server_backend,
+    server_backend, make_worker
 ):
     """DESIGN §7: a lost connection is a transient database error, retried; nothing is lost.
 
@@ -293,8 +286,8 @@ def test_a_lost_connection_in_a_transactional_handler_is_retried_not_a_failed_at
             session.execute(sa.text("SELECT 1"))  # the connection is gone: this raises
 
     hooks = RecordingHooks()
-    worker = Worker(
-        server_backend.Session, concurrency=1, poll_interval=0.1, listen=False, hooks=hooks
+    worker = make_worker(
+        server_backend, concurrency=1, poll_interval=0.1, listen=False, hooks=hooks
     )
     worker.register(q, handler, mode="transactional")
     with running(worker):
@@ -309,10 +302,10 @@ def test_a_lost_connection_in_a_transactional_handler_is_retried_not_a_failed_at
 # -- wake-ups ---------------------------------------------------------------------------------
 
 
-def test_an_idle_worker_wakes_on_an_offer_committed_in_this_process(backend):
+def test_an_idle_worker_wakes_on_an_offer_committed_in_this_process(backend, make_worker):
     q: DelayedQueue[Any] = DelayedQueue("wake")
     handled: list[float] = []
-    worker = Worker(backend.Session, concurrency=2, poll_interval=30, listen=False)
+    worker = make_worker(backend, concurrency=2, poll_interval=30, listen=False)
     worker.register(q, lambda env: handled.append(time.monotonic()))
     with running(worker):
         time.sleep(0.5)  # every thread has polled once and sleeps for up to 30 s
@@ -322,10 +315,10 @@ def test_an_idle_worker_wakes_on_an_offer_committed_in_this_process(backend):
     assert handled[0] - offered < 1.0
 
 
-def test_an_idle_worker_sleeps_only_until_the_next_due_message(backend):
+def test_an_idle_worker_sleeps_only_until_the_next_due_message(backend, make_worker):
     q: DelayedQueue[Any] = DelayedQueue("next-due")
     handled: list[datetime] = []
-    worker = Worker(backend.Session, concurrency=2, poll_interval=30, listen=False)
+    worker = make_worker(backend, concurrency=2, poll_interval=30, listen=False)
     worker.register(q, lambda env: handled.append(utcnow()))
     with running(worker):
         time.sleep(0.3)
@@ -339,7 +332,7 @@ def test_an_idle_worker_sleeps_only_until_the_next_due_message(backend):
 # -- heartbeats -------------------------------------------------------------------------------
 
 
-def test_a_long_lease_mode_handler_keeps_its_lease(backend):
+def test_a_long_lease_mode_handler_keeps_its_lease(backend, make_worker):
     q: DelayedQueue[Any] = DelayedQueue("heartbeat")
     delivered: list[Delivery] = []
 
@@ -348,7 +341,7 @@ def test_a_long_lease_mode_handler_keeps_its_lease(backend):
         time.sleep(4)
 
     hooks = RecordingHooks()
-    worker = Worker(backend.Session, concurrency=2, poll_interval=0.1, listen=False, hooks=hooks)
+    worker = make_worker(backend, concurrency=2, poll_interval=0.1, listen=False, hooks=hooks)
     worker.register(q, handler, lease=timedelta(seconds=1.5))
     offer(backend, q, "long")
     with running(worker):
@@ -358,7 +351,7 @@ def test_a_long_lease_mode_handler_keeps_its_lease(backend):
     assert pending(backend, q) == 0
 
 
-def test_a_handler_past_its_timeout_loses_its_lease_and_is_redelivered(backend):
+def test_a_handler_past_its_timeout_loses_its_lease_and_is_redelivered(backend, make_worker):
     q: DelayedQueue[Any] = DelayedQueue("hung")
     delivered: list[tuple[Delivery, float]] = []
     finished: list[Delivery] = []
@@ -370,7 +363,7 @@ def test_a_handler_past_its_timeout_loses_its_lease_and_is_redelivered(backend):
         finished.append(env.delivery)
 
     hooks = RecordingHooks()
-    worker = Worker(backend.Session, concurrency=2, poll_interval=0.1, listen=False, hooks=hooks)
+    worker = make_worker(backend, concurrency=2, poll_interval=0.1, listen=False, hooks=hooks)
     worker.register(
         q, handler, lease=timedelta(seconds=1.5), handler_timeout=timedelta(seconds=0.5)
     )
@@ -387,7 +380,7 @@ def test_a_handler_past_its_timeout_loses_its_lease_and_is_redelivered(backend):
 # -- hooks ------------------------------------------------------------------------------------
 
 
-def test_hooks_report_processed_failed_redelivered_and_lag(backend):
+def test_hooks_report_processed_failed_redelivered_and_lag(backend, make_worker):
     # max_attempts=2: the abandoned take (its lease ran out) counts as the first attempt.
     q: DelayedQueue[Any] = DelayedQueue(
         "hooks", retry=ExponentialBackoff(max_attempts=2, initial=timedelta(hours=1))
@@ -405,7 +398,7 @@ def test_hooks_report_processed_failed_redelivered_and_lag(backend):
             raise KeyError("no such thing")
 
     hooks = RecordingHooks()
-    worker = Worker(backend.Session, concurrency=1, poll_interval=0.1, listen=False, hooks=hooks)
+    worker = make_worker(backend, concurrency=1, poll_interval=0.1, listen=False, hooks=hooks)
     worker.register(q, handler)
     with running(worker):
         assert wait_for(lambda: len(hooks.processed_) + len(hooks.failed_) >= 3, 10)
@@ -423,7 +416,7 @@ def test_hooks_report_processed_failed_redelivered_and_lag(backend):
 # -- stopping ---------------------------------------------------------------------------------
 
 
-def test_stop_waits_for_in_flight_handlers(backend):
+def test_stop_waits_for_in_flight_handlers(backend, make_worker):
     q: DelayedQueue[Any] = DelayedQueue("drain")
     started, finished = threading.Event(), threading.Event()
 
@@ -433,7 +426,7 @@ def test_stop_waits_for_in_flight_handlers(backend):
         finished.set()
 
     hooks = RecordingHooks()
-    worker = Worker(backend.Session, concurrency=1, poll_interval=0.1, listen=False, hooks=hooks)
+    worker = make_worker(backend, concurrency=1, poll_interval=0.1, listen=False, hooks=hooks)
     worker.register(q, handler)
     offer(backend, q, "m")
     worker.start()
@@ -446,7 +439,7 @@ def test_stop_waits_for_in_flight_handlers(backend):
     assert pending(backend, q) == 0
 
 
-def test_stop_releases_what_outlives_the_drain_timeout(backend):
+def test_stop_releases_what_outlives_the_drain_timeout(backend, make_worker):
     q: DelayedQueue[Any] = DelayedQueue("stuck")
     started, release, returned = threading.Event(), threading.Event(), threading.Event()
 
@@ -456,7 +449,7 @@ def test_stop_releases_what_outlives_the_drain_timeout(backend):
         returned.set()
 
     hooks = RecordingHooks()
-    worker = Worker(backend.Session, concurrency=1, poll_interval=0.1, listen=False, hooks=hooks)
+    worker = make_worker(backend, concurrency=1, poll_interval=0.1, listen=False, hooks=hooks)
     worker.register(q, handler, lease=timedelta(minutes=5))
     offer(backend, q, "m")
     worker.start()
@@ -474,3 +467,30 @@ def test_stop_releases_what_outlives_the_drain_timeout(backend):
     time.sleep(0.2)  # the late ack, refused
     assert hooks.processed_ == []
     assert pending(backend, q) == 1
+
+
+# -- side tasks and extra hooks ---------------------------------------------------------------
+
+
+def test_periodic_tasks_and_extra_hooks_run_with_the_worker(backend, make_worker):
+    q: DelayedQueue[Any] = DelayedQueue("side-tasks")
+    passes: list[int] = []
+    stopped: list[int] = []
+    extra = RecordingHooks()
+
+    def tick(sessions: Any) -> None:
+        with sessions() as s:  # a Session on the worker's database
+            passes.append(int(s.execute(sa.text("SELECT 1")).scalar_one()))
+
+    def bye(sessions: Any) -> None:
+        stopped.append(1)
+
+    worker = make_worker(backend, concurrency=1, poll_interval=0.1, listen=False)
+    inner = getattr(worker, "worker", worker)  # the AsyncWorker behind the runner
+    inner.add_periodic("probe", tick, 0.1, on_stop=bye).add_hooks(extra)
+    worker.register(q, lambda env: None)
+    offer(backend, q, "m")
+    with running(worker):
+        assert wait_for(lambda: len(passes) >= 3 and len(extra.processed_) == 1, 10)
+    assert stopped == [1]
+    assert [p[1] for p in extra.processed_] == ["m"]

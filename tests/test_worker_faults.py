@@ -22,6 +22,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import sessionmaker
 
-from sqla_delayedq import DelayedQueue, create_engine
-from tests.worker_app import deliveries, marks, metadata, with_retries
+from sqla_delayedq import DelayedQueue, EntityQueue, create_engine
+from tests.worker_app import Job, deliveries, marks, metadata, with_retries
 
 pytestmark = pytest.mark.slow
 
@@ -200,6 +201,75 @@ def offer_many(backend: Any, q: DelayedQueue[Any], keys: list[str], **payload: A
         q.offer_batch(s, [(k, {"k": k, **payload}) for k in keys])
 
 
+#: What the worker acceptance tests run on: a message queue or an entity queue, served by the
+#: thread worker or the asyncio worker.
+KINDS = ("messages-thread", "messages-asyncio", "entities-thread", "entities-asyncio")
+
+
+@dataclass
+class Counts:
+    due: int
+    in_flight: int
+    dead: int
+    pending: int
+
+
+class Jobs:
+    """The work of a test on one kind of queue and worker, seen the same way whatever the kind."""
+
+    def __init__(self, backend: Any, kind: str, name: str, **queue_options: Any) -> None:
+        self.backend = backend
+        self.source, self.runtime = kind.split("-")
+        self.entities = self.source == "entities"
+        self.queue: Any = (
+            EntityQueue(Job, **queue_options)
+            if self.entities
+            else DelayedQueue(name, **queue_options)
+        )
+        self.name = Job.__tablename__ if self.entities else name
+
+    def args(self, *more: str) -> tuple[str, ...]:
+        return ("--queue", self.name, "--runtime", self.runtime, "--source", self.source, *more)
+
+    def offer(self, keys: list[str], **payload: Any) -> None:
+        with self.backend.Session() as s, s.begin():
+            if self.entities:
+                jobs = [Job(key=k, sleep=payload.get("sleep")) for k in keys]
+                s.add_all(jobs)
+                s.flush()
+                self.queue.schedule(s, jobs)
+            else:
+                self.queue.offer_batch(s, [(k, {"k": k, **payload}) for k in keys])
+
+    def counts(self) -> Counts:
+        def run(_attempt: int) -> Counts:
+            with self.backend.Session() as s:
+                c = self.queue.counts(s)
+            dead = c.failed if self.entities else c.dead
+            return Counts(c.due, c.in_flight, dead, c.pending)
+
+        counted: Counts = with_retries(run, "counts")
+        return counted
+
+    def due_at(self, key: str) -> float:
+        """The row's next due time (the end of its lease while it is taken)."""
+        with self.backend.Session() as s:
+            if self.entities:
+                at = s.scalar(sa.select(Job.queue_next_attempt_at).where(Job.key == key))
+            else:
+                info = self.queue.get(s, key)
+                at = None if info is None else info.scheduled_at
+        assert at is not None
+        return at.timestamp()
+
+    def last_error(self, key: str) -> str | None:
+        with self.backend.Session() as s:
+            if self.entities:
+                return s.scalar(sa.select(Job.queue_last_error).where(Job.key == key))
+            info = self.queue.get(s, key)
+            return None if info is None else info.last_error
+
+
 def percentile(values: list[float], p: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(p / 100 * len(ordered)) - 1))]
@@ -286,57 +356,87 @@ def test_without_listen_an_idle_worker_finds_offers_within_the_poll_interval(
 # -- SIGKILL ----------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("kind", KINDS)
 def test_sigkill_mid_handler_in_lease_mode_redelivers_after_the_lease(
-    server_backend, app_tables, workers
+    server_backend, app_tables, workers, kind
 ):
-    q: DelayedQueue[Any] = DelayedQueue("kill-lease")
-    offer_many(server_backend, q, ["victim"])
-    common = ("--queue", q.name, "--mode", "lease", "--lease", "2", "--poll", "0.2", "--marks")
+    jobs = Jobs(server_backend, kind, "kill-lease")
+    jobs.offer(["victim"])
+    common = jobs.args("--mode", "lease", "--lease", "2", "--poll", "0.2", "--marks")
     doomed = workers.spawn(*common, "--sleep", "30", "--concurrency", "1")
     assert wait_for(lambda: len(marks_of(server_backend.engine, "victim")) == 1, 30)
     survivor = workers.spawn(*common, "--sleep", "0", "--concurrency", "2")
     time.sleep(2.5)  # the survivor is up; the doomed one's heartbeat has extended its lease
-    assert delivered(server_backend.engine, q.name) == []
-    with server_backend.Session() as s:
-        info = q.get(s, "victim")
-    assert info is not None and info.scheduled_at is not None
-    lease_until = info.scheduled_at.timestamp()
+    assert delivered(server_backend.engine, jobs.name) == []
+    lease_until = jobs.due_at("victim")
     killed_at = time.time()
     doomed.kill()
     doomed.wait(10)
-    assert wait_for(lambda: len(delivered(server_backend.engine, q.name)) == 1, 15)
-    [row] = delivered(server_backend.engine, q.name)
+    assert wait_for(lambda: len(delivered(server_backend.engine, jobs.name)) == 1, 15)
+    [row] = delivered(server_backend.engine, jobs.name)
     print(
-        f"\n{server_backend.name} lease mode: SIGKILL at lease end - "
+        f"\n{server_backend.name} {kind} lease mode: SIGKILL at lease end - "
         f"{lease_until - killed_at:.2f} s; redelivered {row.started_at - killed_at:.2f} s after it"
     )
     assert (row.key, row.delivery, row.pid) == ("victim", "redelivery", survivor.pid)
+    assert row.attempt == 2  # the killed attempt counts
     assert row.started_at >= lease_until - 0.05  # not before the lease ran out
     assert row.started_at - killed_at <= 2 + 1.5  # a lease, plus a poll and some slack
     assert [m.pid for m in marks_of(server_backend.engine, "victim")] == [doomed.pid, survivor.pid]
-    assert wait_for(lambda: counts(server_backend, q).pending == 0, 5)
+    assert wait_for(lambda: jobs.counts().pending == 0, 5)
 
 
-def test_sigkill_mid_handler_in_transactional_mode_rolls_back_and_is_due_at_once(
-    server_backend, app_tables, workers
+@pytest.mark.parametrize("kind", ["messages-thread", "entities-thread"])
+def test_a_job_whose_handler_keeps_killing_its_worker_ends_dead_after_max_attempts(
+    server_backend, app_tables, workers, kind
 ):
-    q: DelayedQueue[Any] = DelayedQueue("kill-tx")
-    offer_many(server_backend, q, ["victim"])
-    common = ("--queue", q.name, "--mode", "transactional", "--poll", "0.2", "--marks")
+    """Each SIGKILL mid-handler is a lost lease, and a lost lease counts as an attempt, for
+    messages and entities alike: with ``max_attempts=2`` the third take buries the job instead of
+    running its handler again, so a poison job cannot be redelivered forever."""
+    jobs = Jobs(server_backend, kind, "kill-again")
+    jobs.offer(["victim"])
+    common = jobs.args(
+        "--mode", "lease", "--lease", "1", "--poll", "0.2", "--marks", "--max-attempts", "2"
+    )
+
+    def marked(n: int) -> Callable[[], bool]:
+        return lambda: len(marks_of(server_backend.engine, "victim")) == n
+
+    for attempt in (1, 2):
+        doomed = workers.spawn(*common, "--sleep", "30", "--concurrency", "1")
+        assert wait_for(marked(attempt), 30)
+        doomed.kill()
+        doomed.wait(10)
+    survivor = workers.spawn(*common, "--sleep", "0", "--concurrency", "1")
+    assert wait_for(lambda: jobs.counts().dead == 1, 15)
+    rc, _ = workers.terminate(survivor, 20)
+    assert rc == 0
+    assert len(marks_of(server_backend.engine, "victim")) == 2  # never run a third time
+    assert delivered(server_backend.engine, jobs.name) == []
+    assert "lease ran out without an ack on 2 attempts" in (jobs.last_error("victim") or "")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sigkill_mid_handler_in_transactional_mode_rolls_back_and_is_due_at_once(
+    server_backend, app_tables, workers, kind
+):
+    jobs = Jobs(server_backend, kind, "kill-tx")
+    jobs.offer(["victim"])
+    common = jobs.args("--mode", "transactional", "--poll", "0.2", "--marks")
     doomed = workers.spawn(*common, "--sleep", "30", "--concurrency", "1")
     # The mark is written after the handler's own INSERT, in its still-open transaction.
     assert wait_for(lambda: len(marks_of(server_backend.engine, "victim")) == 1, 30)
     survivor = workers.spawn(*common, "--sleep", "0", "--concurrency", "2")
     time.sleep(2.5)  # the survivor is up and skips the locked row
-    assert delivered(server_backend.engine, q.name) == []  # uncommitted: invisible
+    assert delivered(server_backend.engine, jobs.name) == []  # uncommitted: invisible
     killed_at = time.time()
     doomed.kill()
     doomed.wait(10)
-    assert wait_for(lambda: len(delivered(server_backend.engine, q.name)) >= 1, 10)
+    assert wait_for(lambda: len(delivered(server_backend.engine, jobs.name)) >= 1, 10)
     time.sleep(0.3)
-    rows = delivered(server_backend.engine, q.name)
+    rows = delivered(server_backend.engine, jobs.name)
     print(
-        f"\n{server_backend.name} transactional mode: handled again "
+        f"\n{server_backend.name} {kind} transactional mode: handled again "
         f"{rows[0].started_at - killed_at:.2f} s after SIGKILL"
     )
     # Only the survivor's row: the killed attempt's INSERT was rolled back with its take,
@@ -347,7 +447,7 @@ def test_sigkill_mid_handler_in_transactional_mode_rolls_back_and_is_due_at_once
     assert rows[0].finished_at is not None
     assert rows[0].started_at - killed_at < 1.5  # due at once: no lease to wait for
     assert [m.pid for m in marks_of(server_backend.engine, "victim")] == [doomed.pid, survivor.pid]
-    assert wait_for(lambda: counts(server_backend, q).pending == 0, 5)
+    assert wait_for(lambda: jobs.counts().pending == 0, 5)
 
 
 # -- connections killed, server restarted -----------------------------------------------------
@@ -491,26 +591,28 @@ def test_a_postgresql_restart_loses_nothing(pg, pg_tables, pg_workers):
 # -- SIGTERM ----------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("mode", ["lease", "transactional"])
 def test_sigterm_drains_in_flight_handlers_and_takes_nothing_new(
-    server_backend, app_tables, workers, mode
+    server_backend, app_tables, workers, mode, kind
 ):
-    q: DelayedQueue[Any] = DelayedQueue(f"sigterm-{mode}")
+    jobs = Jobs(server_backend, kind, f"sigterm-{mode}")
     total = 30
-    offer_many(server_backend, q, [f"s{i:02d}" for i in range(total)])
-    proc = workers.spawn(
-        "--queue", q.name, "--mode", mode, "--concurrency", "3", "--poll", "0.2",
+    jobs.offer([f"s{i:02d}" for i in range(total)])
+    proc = workers.spawn(*jobs.args(
+        "--mode", mode, "--concurrency", "3", "--poll", "0.2",
         "--sleep", "1.5", "--marks", "--drain", "10",
-    )  # fmt: skip
+    ))  # fmt: skip
     # The first three are done and the next three are in flight.
     assert wait_for(lambda: len(marks_of(server_backend.engine)) >= 4, 30)
     time.sleep(0.3)
     signalled = time.time()
     rc, took = workers.terminate(proc, 20)
     started = marks_of(server_backend.engine)
-    rows = {r.run_id: r for r in delivered(server_backend.engine, q.name)}
+    rows = {r.run_id: r for r in delivered(server_backend.engine, jobs.name)}
     print(
-        f"\n{server_backend.name} {mode}: SIGTERM with {sum(m.at < signalled for m in started)} "
+        f"\n{server_backend.name} {kind} {mode}: SIGTERM with "
+        f"{sum(m.at < signalled for m in started)} "
         f"started, exit {rc} after {took:.2f} s"
     )
     assert rc == 0
@@ -522,34 +624,35 @@ def test_sigterm_drains_in_flight_handlers_and_takes_nothing_new(
         row = rows.get(m.run_id)
         assert row is not None and row.finished_at is not None, m.key
     assert any(rows[m.run_id].finished_at > signalled for m in started)  # some were in flight
-    c = counts(server_backend, q)
+    c = jobs.counts()
     assert (c.in_flight, c.dead, c.due) == (0, 0, total - len(started))
 
 
 # -- many processes, no faults ----------------------------------------------------------------
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("mode", ["lease", "transactional"])
 def test_four_processes_of_four_threads_handle_5000_messages_exactly_once(
-    server_backend, app_tables, workers, mode
+    server_backend, app_tables, workers, mode, kind
 ):
     total = 5000
-    q: DelayedQueue[Any] = DelayedQueue(f"many-{mode}")
-    offer_many(server_backend, q, [f"m{i:05d}" for i in range(total)])
+    jobs = Jobs(server_backend, kind, f"many-{mode}")
+    jobs.offer([f"m{i:05d}" for i in range(total)])
     started = time.monotonic()
     # Lease mode takes 4 per poll (each acked on its own), which spares a transaction per
     # message on this 2-core machine; transactional mode takes one per transaction.
     batch = "4" if mode == "lease" else "1"
     for _ in range(4):
-        workers.spawn(
-            "--queue", q.name, "--mode", mode, "--concurrency", "4", "--poll", "0.5",
-            "--lease", "60", "--batch", batch,
-        )  # fmt: skip
+        workers.spawn(*jobs.args(
+            "--mode", mode, "--concurrency", "4", "--poll", "0.5", "--lease", "60",
+            "--batch", batch,
+        ))  # fmt: skip
     rows_n = sa.select(sa.func.count()).select_from(deliveries)
 
     def done() -> bool:
         return int(query(server_backend.engine, rows_n)[0][0]) >= total and (
-            counts(server_backend, q).pending == 0
+            jobs.counts().pending == 0
         )
 
     assert wait_for(done, 240, 0.25)
@@ -557,11 +660,11 @@ def test_four_processes_of_four_threads_handle_5000_messages_exactly_once(
     for proc, _ in workers.procs:
         rc, _t = workers.terminate(proc, 20)
         assert rc == 0
-    dups = duplicates(server_backend.engine, q.name)
-    rows = delivered(server_backend.engine, q.name)
+    dups = duplicates(server_backend.engine, jobs.name)
+    rows = delivered(server_backend.engine, jobs.name)
     per_process = Counter(r.pid for r in rows)
     print(
-        f"\n{server_backend.name} {mode}: 4x4 workers, {total} messages in {took:.1f} s "
+        f"\n{server_backend.name} {kind} {mode}: 4x4 workers, {total} messages in {took:.1f} s "
         f"({total / took:.0f}/s incl. start-up), {len(dups)} duplicated keys, "
         f"per process {sorted(per_process.values())}"
     )

@@ -6,6 +6,10 @@ engine with :func:`sqla_delayedq.create_engine`, registers one handler on one qu
 with its hook counts and exits 0 when every in-flight handler finished within the drain timeout
 (3 otherwise).
 
+``--runtime asyncio`` runs an :class:`~sqla_delayedq.aio.AsyncWorker` instead (on the backend's
+asyncio driver; handlers are ``async def``), and ``--source entities`` consumes the entity queue
+of the ``wk_jobs`` table (:class:`Job`, with ``EntityQueueMixin``) instead of a message queue.
+
 The handlers leave evidence in two tables of the test database (see :data:`metadata`):
 
 - ``wk_deliveries``: one row per handled delivery, with the envelope's key, lock token,
@@ -21,6 +25,7 @@ The handlers leave evidence in two tables of the test database (see :data:`metad
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -35,12 +40,37 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
-from sqla_delayedq import DelayedQueue, Envelope, ExponentialBackoff, NackOutcome, create_engine
+from sqla_delayedq import (
+    DelayedQueue,
+    EntityQueue,
+    EntityQueueMixin,
+    Envelope,
+    ExponentialBackoff,
+    NackOutcome,
+    create_engine,
+)
 from sqla_delayedq.worker import Worker, WorkerHooks
 
 metadata = sa.MetaData()
+
+
+class _JobBase(DeclarativeBase):
+    metadata = metadata
+
+
+class Job(EntityQueueMixin, _JobBase):
+    """The entity source: one row per job, keyed like a message."""
+
+    __tablename__ = "wk_jobs"
+
+    id: Mapped[int] = mapped_column(
+        sa.BigInteger().with_variant(sa.Integer(), "sqlite"), primary_key=True
+    )
+    key: Mapped[str] = mapped_column(sa.String(200), unique=True)
+    sleep: Mapped[float | None] = mapped_column(sa.Float(), nullable=True)
+
 
 deliveries = sa.Table(
     "wk_deliveries",
@@ -105,10 +135,15 @@ def with_retries(fn: Any, what: str, attempts: int = 200) -> Any:
     raise AssertionError("unreachable")
 
 
+def key_of(env: Envelope[Any]) -> str:
+    """The job's key: a message's own, or an entity's ``key`` column."""
+    return env.payload.key if isinstance(env.payload, Job) else env.key
+
+
 def _delivery_row(env: Envelope[Any], run_id: str, started: float) -> dict[str, Any]:
     return {
         "queue": env.queue,
-        "key": env.key,
+        "key": key_of(env),
         "run_id": run_id,
         "lock_token": env.lock_token or None,
         "delivery": env.delivery.value,
@@ -120,7 +155,7 @@ def _delivery_row(env: Envelope[Any], run_id: str, started: float) -> dict[str, 
 
 def _mark(env: Envelope[Any], run_id: str, started: float) -> None:
     cfg = _config()
-    row = {"key": env.key, "run_id": run_id, "pid": os.getpid(), "at": started}
+    row = {"key": key_of(env), "run_id": run_id, "pid": os.getpid(), "at": started}
 
     def write(_attempt: int) -> None:
         with cfg.engine.begin() as conn:
@@ -129,11 +164,17 @@ def _mark(env: Envelope[Any], run_id: str, started: float) -> None:
     with_retries(write, "mark")
 
 
-def _sleep(env: Envelope[Any]) -> None:
-    cfg = _config()
-    seconds = cfg.sleep
+def sleep_of(env: Envelope[Any]) -> float:
+    """How long this job's handler works: the payload's ``sleep``, else ``--sleep``."""
     if isinstance(env.payload, dict) and "sleep" in env.payload:
-        seconds = float(env.payload["sleep"])
+        return float(env.payload["sleep"])
+    if isinstance(env.payload, Job) and env.payload.sleep is not None:
+        return float(env.payload.sleep)
+    return _config().sleep
+
+
+def _sleep(env: Envelope[Any]) -> None:
+    seconds = sleep_of(env)
     if seconds:
         time.sleep(seconds)
 
@@ -165,15 +206,38 @@ def transactional_handler(env: Envelope[Any], session: Session) -> None:
     written in the still-open transaction: a test that kills the process then proves that
     the killed attempt's writes were rolled back.
     """
+    run_id = transactional_start(env, session)
+    _sleep(env)
+    transactional_finish(run_id, session)
+
+
+def transactional_start(env: Envelope[Any], session: Session) -> str:
     cfg = _config()
     started, run_id = time.time(), uuid.uuid4().hex
     session.execute(deliveries.insert(), _delivery_row(env, run_id, started))
     if cfg.marks:
         _mark(env, run_id, started)
-    _sleep(env)
+    return run_id
+
+
+def transactional_finish(run_id: str, session: Session) -> None:
     session.execute(
         deliveries.update().where(deliveries.c.run_id == run_id).values(finished_at=time.time())
     )
+
+
+async def async_lease_handler(env: Envelope[Any]) -> None:
+    await asyncio.to_thread(lease_handler, env)
+
+
+async def async_transactional_handler(env: Envelope[Any], session: Any) -> None:
+    """The transactional handler on the asyncio worker: its writes go through the
+    transaction's AsyncSession, and its work awaits instead of blocking the event loop."""
+    run_id = await session.run_sync(lambda s: transactional_start(env, s))
+    seconds = sleep_of(env)
+    if seconds:
+        await asyncio.sleep(seconds)
+    await session.run_sync(lambda s: transactional_finish(run_id, s))
 
 
 class CountingHooks(WorkerHooks):
@@ -217,7 +281,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sleep", type=float, default=0.0, help="seconds each handler sleeps")
     p.add_argument("--marks", action="store_true", help="record handler starts in wk_marks")
     p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--runtime", choices=("thread", "asyncio"), default="thread")
+    p.add_argument("--source", choices=("messages", "entities"), default="messages")
+    p.add_argument("--max-attempts", type=int, default=100)
     return p.parse_args(argv)
+
+
+ASYNC_DRIVERS = {"postgresql": "postgresql+psycopg", "mysql": "mysql+aiomysql"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,37 +300,60 @@ def main(argv: list[str] | None = None) -> int:
     )
     engine = create_engine(args.url, pool_size=args.concurrency + 4, max_overflow=8)
     CONFIG = Config(engine, args.queue, sleep=args.sleep, marks=args.marks)
-    queue: DelayedQueue[Any] = DelayedQueue(
-        args.queue,
-        lease=timedelta(seconds=args.lease),
-        retry=ExponentialBackoff(max_attempts=100, initial=timedelta(milliseconds=100)),
+    lease = timedelta(seconds=args.lease)
+    retry = ExponentialBackoff(max_attempts=args.max_attempts, initial=timedelta(milliseconds=100))
+    queue: Any = (
+        EntityQueue(Job, lease=lease, retry=retry)
+        if args.source == "entities"
+        else DelayedQueue(args.queue, lease=lease, retry=retry)
     )
     hooks = CountingHooks()
-    worker = Worker(
-        sessionmaker(engine),
-        concurrency=args.concurrency,
-        poll_interval=args.poll,
-        batch_size=args.batch,
-        listen=not args.no_listen,
-        drain_timeout=args.drain,
-        hooks=hooks,
-        name=f"wk-{os.getpid()}",
-    )
-    handler = lease_handler if args.mode == "lease" else transactional_handler
-    worker.register(
-        queue,
-        handler,
-        mode=args.mode,
-        lease=timedelta(seconds=args.lease),
-        handler_timeout=None
+    options: dict[str, Any] = {
+        "concurrency": args.concurrency,
+        "poll_interval": args.poll,
+        "batch_size": args.batch,
+        "listen": not args.no_listen,
+        "drain_timeout": args.drain,
+        "hooks": hooks,
+        "name": f"wk-{os.getpid()}",
+    }
+    registration: dict[str, Any] = {
+        "mode": args.mode,
+        "lease": lease,
+        "handler_timeout": None
         if args.handler_timeout is None
         else timedelta(seconds=args.handler_timeout),
-    )
+    }
     print(json.dumps({"event": "starting", "pid": os.getpid()}), flush=True)
-    drained = worker.run()
+    if args.runtime == "asyncio":
+        drained = asyncio.run(run_async(args, queue, options, registration))
+    else:
+        worker = Worker(sessionmaker(engine), **options)
+        handler = lease_handler if args.mode == "lease" else transactional_handler
+        worker.register(queue, handler, **registration)
+        drained = worker.run()
     print(json.dumps({"event": "stopped", "drained": drained, **hooks.counts}), flush=True)
     engine.dispose()
     return 0 if drained else 3
+
+
+async def run_async(
+    args: argparse.Namespace, queue: Any, options: dict[str, Any], registration: dict[str, Any]
+) -> bool:
+    from sqlalchemy.ext.asyncio import async_sessionmaker
+
+    from sqla_delayedq.aio import AsyncWorker, create_async_engine
+
+    url = sa.make_url(args.url)
+    url = url.set(drivername=ASYNC_DRIVERS[url.get_backend_name()])
+    engine = create_async_engine(url, pool_size=args.concurrency + 4, max_overflow=8)
+    try:
+        worker = AsyncWorker(async_sessionmaker(engine), **options)
+        handler = async_lease_handler if args.mode == "lease" else async_transactional_handler
+        worker.register(queue, handler, **registration)
+        return await worker.run()
+    finally:
+        await engine.dispose()
 
 
 if __name__ == "__main__":

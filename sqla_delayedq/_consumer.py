@@ -1,0 +1,790 @@
+"""The consumer core: every decision a worker makes, once, for both workers and both queues.
+
+:class:`BaseWorker` holds the registrations and runs the loops: the poll loop (take, observe,
+run the handler, settle, retry transient errors with backoff, stop loudly on anything else),
+the lease heartbeat, and cron installers. What differs between the thread worker and the
+asyncio worker is only *how* to wait, sleep, open a session and call a handler; that is the
+:class:`Runtime` each of them passes in. The asyncio runtime runs these same loops in greenlets
+on the event loop, the way SQLAlchemy's own asyncio extension runs its sync core, so an
+``async def`` handler is awaited exactly where a plain one is called.
+
+What a worker consumes is a :class:`Source`: a :class:`~sqla_delayedq.DelayedQueue` or an
+:class:`~sqla_delayedq.EntityQueue`, which share the consumer contract (take under a lease,
+ack/nack/release/extend by lock token, transactional ``process_one``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar
+
+from sqlalchemy.orm import Session
+
+from ._dialects import Listener, is_transient, strategy_class
+from ._leases import LeasedQueue
+from ._types import Envelope, NackOutcome
+from .errors import InvalidArgument, WorkerError
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+    from .cron import CronService
+    from .retry import RetryPolicy
+
+__all__ = [
+    "BaseWorker",
+    "Mode",
+    "Runtime",
+    "Source",
+    "WorkerHooks",
+    "log_failure",
+    "retryable",
+]
+
+log = logging.getLogger("sqla_delayedq.worker")
+
+#: Transient errors in a row that ``process_due`` retries before it raises the last one.
+PROCESS_DUE_RETRIES = 5
+
+T = TypeVar("T")
+Mode = Literal["lease", "transactional"]
+
+
+def log_failure(
+    queue: str, key: str, attempt: int, error: BaseException, outcome: NackOutcome | None
+) -> None:
+    """One log record per failed attempt, with the traceback, at a level shown by default."""
+    if outcome is NackOutcome.DEAD:
+        log.error(
+            "handler failed on %s/%s (attempt %d); the message is dead: %s",
+            queue,
+            key,
+            attempt,
+            error,
+            exc_info=error,
+        )
+    elif outcome is NackOutcome.STALE:
+        log.warning(
+            "handler failed on %s/%s (attempt %d) after its lease was lost; the failure was "
+            "not recorded: %s",
+            queue,
+            key,
+            attempt,
+            error,
+            exc_info=error,
+        )
+    else:
+        log.warning(
+            "handler failed on %s/%s (attempt %d); it will be retried: %s",
+            queue,
+            key,
+            attempt,
+            error,
+            exc_info=error,
+        )
+
+
+def retryable(error: BaseException) -> bool:
+    """Whether a consumer loop may retry after ``error``: only transient database errors.
+
+    Anything else (a bug, a missing table, a bad configuration) would fail the same way again;
+    the consumer stops and says so instead of spinning.
+    """
+    return is_transient(error)
+
+
+def backoff(errors: int) -> float:
+    """The pause after ``errors`` transient errors in a row: 0.1 s doubling, at most 5 s."""
+    return min(0.05 * 2.0**errors, 5.0)
+
+
+# -- hooks ---------------------------------------------------------------------------------------
+
+
+class WorkerHooks:
+    """Metrics and logging hooks; subclass and override what you need.
+
+    A hook that raises is logged and otherwise ignored: it never stops the worker or changes
+    what happens to a message.
+    """
+
+    def processed(self, queue: str, envelope: Envelope[Any], seconds: float) -> None:
+        """A handler returned and the message was acknowledged."""
+
+    def failed(
+        self, queue: str, envelope: Envelope[Any], error: BaseException, outcome: NackOutcome
+    ) -> None:
+        """A handler raised; ``outcome`` says whether a retry was scheduled or it died."""
+
+    def redelivered(self, queue: str, envelope: Envelope[Any]) -> None:
+        """A message was taken again after a lease ran out."""
+
+    def lag(self, queue: str, seconds: float) -> None:
+        """How late a message was taken, relative to its due time."""
+
+    def db_error(self, error: BaseException) -> None:
+        """A transient database error interrupted polling or settling (it is retried)."""
+
+
+class SafeHooks(WorkerHooks):
+    """Every hooks object of the worker, each call guarded: a raising hook is logged, never
+    fatal."""
+
+    def __init__(self, *hooks: WorkerHooks) -> None:
+        self.all: list[WorkerHooks] = list(hooks)
+
+    @property
+    def hooks(self) -> WorkerHooks:
+        """The first hooks object (the one given to the worker)."""
+        return self.all[0]
+
+    @hooks.setter
+    def hooks(self, value: WorkerHooks) -> None:
+        self.all[0] = value
+
+    def _call(self, name: str, *args: Any) -> None:
+        for hooks in self.all:
+            try:
+                getattr(hooks, name)(*args)
+            except Exception:
+                log.exception("worker hook %s raised; ignored", name)
+
+    def processed(self, queue: str, envelope: Envelope[Any], seconds: float) -> None:
+        self._call("processed", queue, envelope, seconds)
+
+    def failed(
+        self, queue: str, envelope: Envelope[Any], error: BaseException, outcome: NackOutcome
+    ) -> None:
+        self._call("failed", queue, envelope, error, outcome)
+
+    def redelivered(self, queue: str, envelope: Envelope[Any]) -> None:
+        self._call("redelivered", queue, envelope)
+
+    def lag(self, queue: str, seconds: float) -> None:
+        self._call("lag", queue, seconds)
+
+    def db_error(self, error: BaseException) -> None:
+        self._call("db_error", error)
+
+
+# -- what a worker consumes, and how it runs -----------------------------------------------------
+
+
+class Source(Protocol):
+    """The consumer contract of :class:`~sqla_delayedq.DelayedQueue` and ``EntityQueue``."""
+
+    name: str
+    lease: timedelta
+    retry_policy: RetryPolicy
+
+    @property
+    def wake_key(self) -> str: ...
+    def now(self) -> datetime: ...
+    def try_poll_many(
+        self, session: Session, n: int, *, lease: timedelta | None = None
+    ) -> list[Envelope[Any]]: ...
+    def ack(self, session: Session, envelope: Envelope[Any]) -> bool: ...
+    def ack_many(self, session: Session, envelopes: Sequence[Envelope[Any]]) -> int: ...
+    def nack(
+        self,
+        session: Session,
+        envelope: Envelope[Any],
+        error: BaseException | str,
+        at: datetime | None = None,
+    ) -> NackOutcome: ...
+    def release(self, session: Session, envelope: Envelope[Any]) -> bool: ...
+    def extend(
+        self, session: Session, envelope: Envelope[Any], lease: timedelta | None = None
+    ) -> Envelope[Any] | None: ...
+    def process_one(
+        self, session: Session, handler: Callable[[Envelope[Any], Session], Any]
+    ) -> tuple[Envelope[Any], BaseException | None, NackOutcome | None] | None: ...
+    def next_due(self, session: Session) -> datetime | None: ...
+
+
+class Runtime(Protocol):
+    """How a worker waits, sleeps, opens sessions and calls handlers (threads or asyncio)."""
+
+    @property
+    def stopping(self) -> bool: ...
+    def request_stop(self) -> None: ...
+    def session(self) -> Session:
+        """A new Session (``expire_on_commit=False``), to be used in a ``with`` block."""
+        ...
+
+    def call(self, handler: Callable[..., Any], *args: Any) -> Any:
+        """Run a handler to its end (await it, on the asyncio runtime)."""
+        ...
+
+    def sleep(self, seconds: float) -> None:
+        """Sleep; a stop request does not cut it short (settles finish during a drain)."""
+        ...
+
+    def pause(self, seconds: float) -> None:
+        """Sleep until ``seconds`` pass or a stop is requested."""
+        ...
+
+    def generation(self) -> int: ...
+    def wait(self, seen: int, timeout: float) -> None:
+        """Sleep until ``timeout``, a wake-up since generation ``seen``, or a stop request."""
+        ...
+
+    def notify(self, _key: str | None = None) -> None:
+        """Wake every waiting consumer (from any thread)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Periodic:
+    """A side task of the worker: ``fn(sessions)`` every ``interval`` seconds while it runs, and
+    ``on_stop(sessions)`` once after it drained."""
+
+    name: str
+    fn: Callable[[Callable[[], Session]], Any]
+    interval: float
+    on_stop: Callable[[Callable[[], Session]], Any] | None = None
+
+
+@dataclass(frozen=True)
+class Registration:
+    source: Source
+    handler: Callable[..., Any]
+    mode: Mode
+    lease: timedelta
+    handler_timeout: timedelta | None
+    #: Messages per take for batch handlers (``handler(envelopes)``); None for one at a time.
+    batch: int | None = None
+
+
+class InFlight:
+    """Envelopes being handled in lease mode, for the heartbeat and for shutdown."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: dict[tuple[int, Any], tuple[Registration, Envelope[Any], float]] = {}
+
+    def add(self, reg: Registration, *envs: Envelope[Any]) -> None:
+        started = time.monotonic()
+        with self._lock:
+            for env in envs:
+                self._items[(id(reg), env.id)] = (reg, env, started)
+
+    def replace(self, reg: Registration, env: Envelope[Any]) -> None:
+        with self._lock:
+            item = self._items.get((id(reg), env.id))
+            if item is not None:
+                self._items[(id(reg), env.id)] = (reg, env, item[2])
+
+    def current(self, reg: Registration, envs: Sequence[Envelope[Any]]) -> list[Envelope[Any]]:
+        """The envelopes as the heartbeat last extended them (or as given)."""
+        with self._lock:
+            items = self._items
+            return [
+                env if (item := items.get((id(reg), env.id))) is None else item[1] for env in envs
+            ]
+
+    def pop(self, reg: Registration, *envs: Envelope[Any]) -> None:
+        with self._lock:
+            for env in envs:
+                self._items.pop((id(reg), env.id), None)
+
+    def snapshot(self) -> list[tuple[Registration, Envelope[Any], float]]:
+        with self._lock:
+            return list(self._items.values())
+
+
+# -- the worker ----------------------------------------------------------------------------------
+
+
+def check_source(source: Any, where: str) -> Source:
+    """Workers serve :class:`DelayedQueue` and ``EntityQueue`` objects."""
+    if isinstance(source, LeasedQueue):
+        return source
+    raise InvalidArgument(
+        f"{where}: expected a DelayedQueue or an EntityQueue, got {type(source).__name__}"
+    )
+
+
+S = TypeVar("S")
+
+
+class BaseWorker(Generic[S]):
+    """Registrations, configuration and the loops; :class:`~sqla_delayedq.worker.Worker` and
+    :class:`~sqla_delayedq.aio.AsyncWorker` add the runtime and the lifecycle."""
+
+    #: What the subclass runs on, for ``concurrency`` and ``name`` when not given.
+    default_concurrency: int = 4
+    default_name: str = "delayedq-worker"
+
+    def __init__(
+        self,
+        sessions: S,
+        *,
+        concurrency: int | None = None,
+        poll_interval: float = 5.0,
+        batch_size: int = 1,
+        listen: bool = True,
+        drain_timeout: float = 30.0,
+        hooks: WorkerHooks | None = None,
+        name: str | None = None,
+    ) -> None:
+        concurrency = self.default_concurrency if concurrency is None else concurrency
+        if concurrency < 1:
+            raise InvalidArgument(f"concurrency must be >= 1, got {concurrency}")
+        if poll_interval <= 0:
+            raise InvalidArgument(f"poll_interval must be > 0, got {poll_interval}")
+        if batch_size < 1:
+            raise InvalidArgument(f"batch_size must be >= 1, got {batch_size}")
+        self.sessions = sessions
+        self.concurrency = concurrency
+        self.poll_interval = poll_interval
+        self.batch_size = batch_size
+        self.listen = listen
+        self.drain_timeout = drain_timeout
+        self.hooks: WorkerHooks = SafeHooks(hooks or WorkerHooks())
+        self.name = name or self.default_name
+        #: The error that stopped the worker, if one did (see ``run``).
+        self.failure: BaseException | None = None
+        self._registrations: list[Registration] = []
+        self._periodic: list[Periodic] = []
+        #: When the worker started (``time.time()``), None before.
+        self.started_at: float | None = None
+        self._in_flight = InFlight()
+        self._rt: Runtime | None = None
+        self._started = False
+        self._stop_requested = False
+
+    # -- configuration -------------------------------------------------------------------
+
+    def _check_handler(self, handler: Any, where: str) -> None:
+        raise NotImplementedError
+
+    def _add(self, where: str, source: Any, handler: Any, **kwargs: Any) -> Self:
+        if self._started:
+            raise InvalidArgument("register handlers before starting the worker")
+        src = check_source(source, where)
+        self._check_handler(handler, where)
+        lease = kwargs.pop("lease", None) or src.lease
+        self._registrations.append(Registration(src, handler, lease=lease, **kwargs))
+        return self
+
+    def register(
+        self,
+        queue: Any,
+        handler: Callable[..., Any],
+        *,
+        mode: Mode = "lease",
+        lease: timedelta | None = None,
+        handler_timeout: timedelta | None = None,
+    ) -> Self:
+        """Handle ``queue`` (a ``DelayedQueue`` or an ``EntityQueue``) with ``handler``.
+
+        Lease mode calls ``handler(envelope)`` outside any transaction; transactional mode calls
+        ``handler(envelope, session)`` inside the transaction that takes and acknowledges.
+        """
+        if mode not in ("lease", "transactional"):
+            raise InvalidArgument(f"unknown mode {mode!r}; use 'lease' or 'transactional'")
+        where = f"{type(self).__name__}.register"
+        return self._add(
+            where, queue, handler, mode=mode, lease=lease, handler_timeout=handler_timeout
+        )
+
+    def register_batch(
+        self,
+        queue: Any,
+        handler: Callable[..., Any],
+        *,
+        batch_size: int = 100,
+        lease: timedelta | None = None,
+        handler_timeout: timedelta | None = None,
+    ) -> Self:
+        """Handle up to ``batch_size`` messages per call: ``handler(envelopes)`` (lease mode).
+
+        The batch is taken with one statement and acknowledged with one when the handler
+        returns; when it raises, every message of the batch is nacked with the error.
+        """
+        if batch_size < 1:
+            raise InvalidArgument(f"batch_size must be >= 1, got {batch_size}")
+        where = f"{type(self).__name__}.register_batch"
+        return self._add(
+            where,
+            queue,
+            handler,
+            mode="lease",
+            lease=lease,
+            handler_timeout=handler_timeout,
+            batch=batch_size,
+        )
+
+    def add_cron(self, service: CronService, *, interval: timedelta | float | None = None) -> Self:
+        """Run ``service``'s installer while the worker runs.
+
+        Every worker process may do this: installs from many processes create each tick once.
+        """
+        from .cron import DEFAULT_INTERVAL
+
+        seconds = service.interval_seconds(DEFAULT_INTERVAL if interval is None else interval)
+        return self.add_periodic(f"cron {service.queue.name}", service.run_once, seconds)
+
+    def add_periodic(
+        self,
+        name: str,
+        fn: Callable[[Callable[[], Session]], Any],
+        interval: float,
+        *,
+        on_stop: Callable[[Callable[[], Session]], Any] | None = None,
+    ) -> Self:
+        """Run ``fn(sessions)`` now and every ``interval`` seconds while the worker runs.
+
+        ``sessions`` opens a Session on the worker's database (use it in a ``with`` block).
+        An error is logged and the next interval tries again; ``on_stop(sessions)`` runs once
+        when the worker has drained. Cron installers and the workers registry run this way.
+        """
+        if self._started:
+            raise InvalidArgument("add periodic tasks before starting the worker")
+        if not callable(fn) or interval <= 0:
+            raise InvalidArgument("add_periodic needs a callable and a positive interval")
+        self._periodic.append(Periodic(name, fn, float(interval), on_stop))
+        return self
+
+    def add_hooks(self, hooks: WorkerHooks) -> Self:
+        """Report to ``hooks`` too, beside the worker's own (metrics, a registry)."""
+        if not isinstance(hooks, WorkerHooks):
+            raise InvalidArgument(f"hooks must be a WorkerHooks, got {type(hooks).__name__}")
+        assert isinstance(self.hooks, SafeHooks)
+        self.hooks.all.append(hooks)
+        return self
+
+    @property
+    def in_flight(self) -> int:
+        """How many messages handlers hold right now (lease mode)."""
+        return len(self._in_flight.snapshot())
+
+    @property
+    def queues(self) -> tuple[Any, ...]:
+        """The registered queues, in registration order (each once)."""
+        return tuple(dict.fromkeys(r.source for r in self._registrations))
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop_requested or (self._rt is not None and self._rt.stopping)
+
+    def request_stop(self) -> None:
+        """Ask the worker to stop: take nothing new, let in-flight handlers finish."""
+        self._stop_requested = True
+        if self._rt is not None:
+            self._rt.request_stop()
+
+    def _tables(self) -> list[str]:
+        return sorted({r.source.wake_key for r in self._registrations})
+
+    def _listener(self, bind: Any, wake: Callable[[str | None], None]) -> Listener | None:
+        """A started listener for offers from other processes, where the backend has one."""
+        if not self.listen or bind is None:
+            return None
+        engine = getattr(bind, "sync_engine", bind)  # an AsyncEngine's sync face has the URL
+        listener = strategy_class(engine.dialect).listener(engine.url, self._tables(), wake)
+        if listener is not None:
+            listener.start()
+        return listener
+
+    def _check_startable(self) -> None:
+        if not self._registrations:
+            raise InvalidArgument("register at least one queue before starting the worker")
+        self._started = True
+        self.started_at = time.time()
+
+    def _raise_failure(self) -> None:
+        if self.failure is not None:
+            raise WorkerError(
+                f"{self.name} stopped on an error it cannot retry: "
+                f"{type(self.failure).__name__}: {self.failure}"
+            ) from self.failure
+
+    # -- the loops (run on the runtime's threads or greenlets) ---------------------------
+
+    @property
+    def rt(self) -> Runtime:
+        assert self._rt is not None, "the worker is not running"
+        return self._rt
+
+    def _fail(self, error: BaseException, where: str) -> None:
+        """Stop the worker loudly on an error that retrying would only repeat."""
+        if self.failure is None:
+            self.failure = error
+            log.critical(
+                "%s is stopping: %s raised %s, which is not a transient database error",
+                self.name,
+                where,
+                type(error).__name__,
+                exc_info=error,
+            )
+        self.request_stop()
+
+    def _db_error(self, error: BaseException) -> None:
+        self.hooks.db_error(error)
+        log.warning("transient database error, retrying: %s", error)
+
+    def _consume(self) -> None:
+        """One consumer: poll the queues in turn, handle what is due, sleep when idle."""
+        rt = self.rt
+        errors = 0
+        while not rt.stopping:
+            seen = rt.generation()
+            try:
+                worked, next_due = self._poll_all()
+                errors = 0
+            except Exception as exc:
+                if not retryable(exc):
+                    self._fail(exc, "the poll loop")
+                    return
+                errors += 1
+                self._db_error(exc)
+                rt.pause(backoff(errors))
+                continue
+            if worked or rt.stopping:
+                continue
+            timeout = self.poll_interval
+            if next_due is not None:
+                timeout = max(0.0, min(timeout, next_due))
+            rt.wait(seen, timeout)
+
+    def _poll_all(self) -> tuple[bool, float | None]:
+        """One pass over the queues: (did work, seconds until the next due row)."""
+        next_due: float | None = None
+        for reg in self._registrations:
+            if self.rt.stopping:
+                return True, None
+            handled, due_in = self._once(reg)
+            if handled:
+                return True, None
+            if due_in is not None:
+                next_due = due_in if next_due is None else min(next_due, due_in)
+        return False, next_due
+
+    def _once(self, reg: Registration) -> tuple[int, float | None]:
+        """One take of ``reg``'s queue, handled: (rows handled, seconds until the next due)."""
+        if reg.mode == "transactional":
+            return self._transactional_once(reg)
+        if reg.batch is not None:
+            return self._batch_once(reg)
+        return self._lease_once(reg)
+
+    def _idle(self, session: Session, reg: Registration) -> float | None:
+        """After an empty take, in the same transaction: seconds until the next due row."""
+        now = reg.source.now()
+        when = reg.source.next_due(session)
+        return None if when is None else max(0.0, (when - now).total_seconds())
+
+    def _observe(self, reg: Registration, *envs: Envelope[Any]) -> None:
+        name, hooks, now = reg.source.name, self.hooks, reg.source.now()
+        for env in envs:
+            if env.redelivered:
+                hooks.redelivered(name, env)
+            hooks.lag(name, (now - env.scheduled_at).total_seconds())
+
+    def _take(self, reg: Registration, n: int) -> tuple[list[Envelope[Any]], float | None]:
+        with self.rt.session() as s, s.begin():
+            envs = reg.source.try_poll_many(s, n, lease=reg.lease)
+            return envs, (None if envs else self._idle(s, reg))
+
+    def _lease_once(self, reg: Registration) -> tuple[int, float | None]:
+        envs, idle = self._take(reg, self.batch_size)
+        if not envs:
+            return 0, idle
+        self._in_flight.add(reg, *envs)
+        for i, env in enumerate(envs):
+            if self.rt.stopping:
+                for rest in envs[i:]:
+                    self._settle(reg, rest, "release")
+                    self._in_flight.pop(reg, rest)
+                break
+            self._observe(reg, env)
+            self._handle(reg, [env], env)
+        return len(envs), None
+
+    def _handle(self, reg: Registration, envs: list[Envelope[Any]], arg: Any) -> None:
+        """Run the handler on ``arg`` and settle ``envs`` by its outcome.
+
+        A handler interrupted by cancellation (a drain that timed out on the asyncio worker)
+        settles nothing: its envelopes stay in flight, and the stop releases them.
+        """
+        started = time.monotonic()
+        try:
+            self.rt.call(reg.handler, arg)
+        except Exception as exc:
+            self._failed(reg, envs, exc)
+        else:
+            self._succeeded(reg, envs, started)
+        self._in_flight.pop(reg, *envs)
+
+    def _batch_once(self, reg: Registration) -> tuple[int, float | None]:
+        assert reg.batch is not None
+        envs, idle = self._take(reg, reg.batch)
+        if not envs:
+            return 0, idle
+        self._in_flight.add(reg, *envs)
+        self._observe(reg, *envs)
+        self._handle(reg, envs, envs)
+        return len(envs), None
+
+    def _succeeded(self, reg: Registration, envs: list[Envelope[Any]], started: float) -> None:
+        current = self._in_flight.current(reg, envs)
+        if len(current) == 1:
+            acked = int(bool(self._settle(reg, current[0], "ack")))
+        else:
+            acked = self._settle(reg, current[0], "ack_many", current) or 0
+        elapsed = time.monotonic() - started
+        if acked == len(envs):
+            for env in envs:
+                self.hooks.processed(reg.source.name, env, elapsed)
+        else:
+            log.warning(
+                "%d ack(s) on %s lost: their lease ran out before the handler returned",
+                len(envs) - acked,
+                reg.source.name,
+            )
+
+    def _failed(self, reg: Registration, envs: list[Envelope[Any]], error: Exception) -> None:
+        for env in self._in_flight.current(reg, envs):
+            outcome = self._settle(reg, env, "nack", error)
+            log_failure(reg.source.name, env.key, env.attempt, error, outcome)
+            self.hooks.failed(reg.source.name, env, error, outcome or NackOutcome.STALE)
+
+    def _settle(self, reg: Registration, env: Envelope[Any], what: str, arg: Any = None) -> Any:
+        """Settle in a transaction of its own, retrying transient errors up to the lease."""
+        source = reg.source
+        ops: dict[str, Callable[[Session], Any]] = {
+            "ack": lambda s: source.ack(s, env),
+            "ack_many": lambda s: source.ack_many(s, arg),
+            "nack": lambda s: source.nack(s, env, arg),
+            "release": lambda s: source.release(s, env),
+        }
+        op = ops[what]
+        delay = 0.05
+        deadline = time.monotonic() + max(reg.lease.total_seconds(), 1.0)
+        while True:
+            try:
+                with self.rt.session() as s, s.begin():
+                    return op(s)
+            except Exception as exc:
+                if not retryable(exc):
+                    self._fail(exc, f"the {what} of {source.name}/{env.key}")
+                    return None
+                self._db_error(exc)
+                if time.monotonic() > deadline:
+                    log.error(
+                        "giving up on the %s of %s/%s; the lease will expire",
+                        what,
+                        source.name,
+                        env.key,
+                    )
+                    return None
+                self.rt.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    def _transactional_once(self, reg: Registration) -> tuple[int, float | None]:
+        """Take, handle and acknowledge in one transaction (the source's ``process_one``)."""
+        rt = self.rt
+
+        def handle(envelope: Envelope[Any], session: Session) -> Any:
+            self._observe(reg, envelope)
+            return rt.call(reg.handler, envelope, session)
+
+        with rt.session() as s, s.begin():
+            if rt.stopping:
+                return 0, None
+            started = time.monotonic()
+            result = reg.source.process_one(s, handle)
+            if result is None:
+                return 0, self._idle(s, reg)
+        envelope, error, outcome = result
+        # Hooks run after the commit, so they report what the database now holds.
+        if error is None:
+            self.hooks.processed(reg.source.name, envelope, time.monotonic() - started)
+        else:
+            log_failure(reg.source.name, envelope.key, envelope.attempt, error, outcome)
+            self.hooks.failed(reg.source.name, envelope, error, outcome or NackOutcome.STALE)
+        return 1, None
+
+    def _heartbeat(self) -> None:
+        """Extend leases of long lease-mode handlers at half-lease, up to ``handler_timeout``."""
+        rt = self.rt
+        while not rt.stopping:
+            rt.pause(0.5)
+            now = time.monotonic()
+            for reg, env, started in self._in_flight.snapshot():
+                remaining = (env.lease_until - reg.source.now()).total_seconds()
+                if remaining > reg.lease.total_seconds() / 2:
+                    continue
+                limit = reg.handler_timeout
+                if limit is not None and now - started > limit.total_seconds():
+                    continue  # hung: let the lease run out so another consumer retries it
+                try:
+                    with rt.session() as s, s.begin():
+                        longer = reg.source.extend(s, env, reg.lease)
+                except Exception as exc:
+                    if not retryable(exc):
+                        self._fail(exc, "the lease heartbeat")
+                        return
+                    self._db_error(exc)
+                    continue
+                if longer is not None:
+                    self._in_flight.replace(reg, longer)
+
+    def _run_periodic(self, task: Periodic) -> None:
+        """A side task: a pass now and then every ``interval``, surviving every error."""
+        rt = self.rt
+        while not rt.stopping:
+            try:
+                task.fn(rt.session)
+            except Exception:
+                log.warning(
+                    "%s: %s failed; it runs again in %.0f s",
+                    self.name,
+                    task.name,
+                    task.interval,
+                    exc_info=True,
+                )
+            rt.pause(task.interval)
+
+    def _stop_periodic(self) -> None:
+        for task in self._periodic:
+            if task.on_stop is not None:
+                try:
+                    task.on_stop(self.rt.session)
+                except Exception:
+                    log.warning("%s: stopping %s failed", self.name, task.name, exc_info=True)
+
+    def _release_in_flight(self) -> None:
+        """On stop: give back what handlers still hold, so others take it at once."""
+        for reg, env, _ in self._in_flight.snapshot():
+            self._settle(reg, env, "release")
+            self._in_flight.pop(reg, env)
+
+    def _process_due(self, limit: int | None) -> int:
+        """Handle what is due now, on the calling thread or task, until nothing is due (or
+        about ``limit`` rows were handled); returns how many were."""
+        handled, errors = 0, 0
+        while limit is None or handled < limit:
+            before = handled
+            try:
+                for reg in self._registrations:
+                    handled += self._once(reg)[0]
+                    self._raise_failure()
+            except Exception as exc:
+                if not retryable(exc) or errors >= PROCESS_DUE_RETRIES:
+                    raise
+                errors += 1
+                self._db_error(exc)
+                self.rt.sleep(backoff(errors))
+                continue
+            errors = 0
+            if handled == before:
+                break
+        return handled

@@ -1,0 +1,210 @@
+"""Filters and counts of the read and admin side, as pure SQL expressions.
+
+Key prefixes are literal and case-sensitive on every backend (:class:`KeyStartsWith`); payload
+fields compare JSON to JSON (:class:`JsonFieldEquals`); every value is a bound parameter.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Boolean, Integer, String, Table, and_, bindparam, case, func, select
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql import ColumnElement, Select
+from sqlalchemy.sql.visitors import InternalTraversal
+
+__all__ = [
+    "JsonFieldEquals",
+    "KeyStartsWith",
+    "count_by_state",
+    "filter_clause",
+    "payload_field",
+    "state_clause",
+]
+
+
+class KeyStartsWith(ColumnElement[bool]):
+    """``column`` starts with ``prefix``: literal and case-sensitive on every backend.
+
+    ``LIKE`` with ``%`` and ``_`` escaped, where it compares characters exactly (PostgreSQL,
+    and MariaDB/MySQL under the binary collation of the key column); on SQLite, whose ``LIKE``
+    ignores ASCII case, the prefix is compared with ``substr`` instead.
+    """
+
+    inherit_cache = True
+    type = Boolean()
+
+    def __init__(self, column: Any, prefix: str) -> None:
+        self.column = column
+        self.prefix = bindparam(None, prefix, type_=String())
+        self.pattern = bindparam(None, _like_escape(prefix) + "%", type_=String())
+        self.length = bindparam(None, len(prefix), type_=Integer())
+
+    _traverse_internals = [
+        ("column", InternalTraversal.dp_clauseelement),
+        ("prefix", InternalTraversal.dp_clauseelement),
+        ("pattern", InternalTraversal.dp_clauseelement),
+        ("length", InternalTraversal.dp_clauseelement),
+    ]
+
+
+LIKE_ESCAPE = "/"
+
+
+def _like_escape(text: str) -> str:
+    return (
+        text.replace(LIKE_ESCAPE, LIKE_ESCAPE * 2)
+        .replace("%", LIKE_ESCAPE + "%")
+        .replace("_", LIKE_ESCAPE + "_")
+    )
+
+
+@compiles(KeyStartsWith)
+def _starts_with(element: KeyStartsWith, compiler: Any, **kw: Any) -> str:
+    column = compiler.process(element.column, **kw)
+    pattern = compiler.process(element.pattern, **kw)
+    return f"({column} LIKE {pattern} ESCAPE '{LIKE_ESCAPE}')"
+
+
+@compiles(KeyStartsWith, "sqlite")
+def _starts_with_sqlite(element: KeyStartsWith, compiler: Any, **kw: Any) -> str:
+    column = compiler.process(element.column, **kw)
+    prefix = compiler.process(element.prefix, **kw)
+    length = compiler.process(element.length, **kw)
+    return f"(substr({column}, 1, {length}) = {prefix})"
+
+
+def count_by_state(t: Table, queue: str, now: datetime) -> Select[Any]:
+    """Counts per state for one queue in one scan of its rows."""
+    leased = and_(t.c.status == "pending", t.c.lock_token.is_not(None), t.c.scheduled_at > now)
+    due = and_(t.c.status == "pending", t.c.scheduled_at <= now)
+    later = and_(t.c.status == "pending", t.c.lock_token.is_(None), t.c.scheduled_at > now)
+
+    def n(cond: ColumnElement[bool]) -> Any:
+        return func.coalesce(func.sum(case((cond, 1), else_=0)), 0)
+
+    return select(
+        n(due).label("due"),
+        n(later).label("scheduled"),
+        n(leased).label("in_flight"),
+        n(t.c.status == "dead").label("dead"),
+        n(t.c.status == "done").label("done"),
+    ).where(t.c.queue == queue)
+
+
+def state_clause(t: Table, state: str, now: datetime) -> ColumnElement[bool]:
+    """SQL for one :class:`~sqla_delayedq.State` value."""
+    pending = t.c.status == "pending"
+    if state == "due":
+        return and_(pending, t.c.scheduled_at <= now)
+    if state == "scheduled":
+        return and_(pending, t.c.lock_token.is_(None), t.c.scheduled_at > now)
+    if state == "in_flight":
+        return and_(pending, t.c.lock_token.is_not(None), t.c.scheduled_at > now)
+    if state == "pending":
+        return pending
+    return t.c.status == state
+
+
+class JsonFieldEquals(ColumnElement[bool]):
+    """``payload.<name> == value`` comparing JSON values, types included, on every backend.
+
+    A cast (``->>`` then ``::int``) would fail on rows whose field holds text and would match
+    ``"5"`` to ``5``; this compares JSON to JSON instead: containment (``@>``) on PostgreSQL,
+    ``JSON_CONTAINS`` on MariaDB/MySQL, ``json_type`` plus ``json_extract`` on SQLite. Numbers
+    compare by value (``5`` matches ``5.0``); strings, numbers and booleans never match each other.
+    """
+
+    inherit_cache = True
+    type = Boolean()
+
+    def __init__(self, column: Any, name: str, value: str | int | float | bool) -> None:
+        self.column = column
+        self.name = name
+        self.value = value
+        self.document = bindparam(None, json.dumps({name: value}), type_=String())
+        self.scalar = bindparam(None, json.dumps(value), type_=String())
+        self.path = bindparam(None, "$." + json.dumps(name), type_=String())
+        self.raw: Any = bindparam(None, value)
+
+    _traverse_internals = [
+        ("column", InternalTraversal.dp_clauseelement),
+        ("document", InternalTraversal.dp_clauseelement),
+        ("scalar", InternalTraversal.dp_clauseelement),
+        ("path", InternalTraversal.dp_clauseelement),
+        ("raw", InternalTraversal.dp_clauseelement),
+    ]
+
+    def json_types(self) -> tuple[str, ...]:
+        if isinstance(self.value, bool):
+            return ("true",) if self.value else ("false",)
+        if isinstance(self.value, (int, float)):
+            return ("integer", "real")
+        return ("text",)
+
+
+@compiles(JsonFieldEquals, "postgresql")
+def _json_eq_pg(element: JsonFieldEquals, compiler: Any, **kw: Any) -> str:
+    column = compiler.process(element.column, **kw)
+    return f"({column} @> CAST({compiler.process(element.document, **kw)} AS JSONB))"
+
+
+@compiles(JsonFieldEquals, "mysql")
+@compiles(JsonFieldEquals, "mariadb")
+def _json_eq_mysql(element: JsonFieldEquals, compiler: Any, **kw: Any) -> str:
+    column = compiler.process(element.column, **kw)
+    scalar = compiler.process(element.scalar, **kw)
+    path = compiler.process(element.path, **kw)
+    return f"(JSON_CONTAINS({column}, {scalar}, {path}) = 1)"
+
+
+@compiles(JsonFieldEquals, "sqlite")
+def _json_eq_sqlite(element: JsonFieldEquals, compiler: Any, **kw: Any) -> str:
+    column = compiler.process(element.column, **kw)
+    path = compiler.process(element.path, **kw)
+    types = ", ".join(f"'{t}'" for t in element.json_types())
+    same_type = f"json_type({column}, {path}) IN ({types})"
+    if isinstance(element.value, bool):
+        return f"({same_type})"
+    return (
+        f"({same_type} AND json_extract({column}, {path}) = {compiler.process(element.raw, **kw)})"
+    )
+
+
+def payload_field(t: Table, name: str, value: Any) -> ColumnElement[bool]:
+    """Equality on a top-level JSON payload field, comparing JSON types (see JsonFieldEquals)."""
+    return JsonFieldEquals(t.c.payload, name, value)
+
+
+def filter_clause(
+    t: Table,
+    queue: str,
+    now: datetime,
+    *,
+    state: str | None = None,
+    key_prefix: str | None = None,
+    keys: Sequence[str] | None = None,
+    payload: dict[str, Any] | None = None,
+    scheduled_before: datetime | None = None,
+    scheduled_after: datetime | None = None,
+    where: Any = None,
+) -> ColumnElement[bool]:
+    conds: list[Any] = [t.c.queue == queue]
+    if state is not None:
+        conds.append(state_clause(t, state, now))
+    if key_prefix:
+        conds.append(KeyStartsWith(t.c.key, key_prefix))
+    if keys is not None:
+        conds.append(t.c.key.in_(list(keys)))
+    for name, value in (payload or {}).items():
+        conds.append(payload_field(t, name, value))
+    if scheduled_before is not None:
+        conds.append(t.c.scheduled_at < scheduled_before)
+    if scheduled_after is not None:
+        conds.append(t.c.scheduled_at >= scheduled_after)
+    if where is not None:
+        conds.append(where)
+    return and_(*conds)

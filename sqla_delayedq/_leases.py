@@ -1,0 +1,291 @@
+"""Taking under a lease and settling by lock token: one implementation for both kinds of queue.
+
+A :class:`~sqla_delayedq.DelayedQueue` (rows of a message table) and an
+:class:`~sqla_delayedq.EntityQueue` (rows of your own table) are the same consumer contract:
+``try_poll``/``try_poll_many`` take due rows with a lease and a fresh lock token, and ``ack``,
+``nack``, ``release`` and ``extend`` settle them, each guarded by that token. This base class
+is that contract; the two queues only say how rows are picked and what the payload is. The
+statements come from the table's :class:`~sqla_delayedq._statements.Shape`, the failure
+decisions from :mod:`~sqla_delayedq._rules`, so a rule changed here changes for both.
+"""
+
+from __future__ import annotations
+
+import abc
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from datetime import datetime, timedelta
+from typing import Any, Generic, TypeVar
+
+from sqlalchemy.orm import Session
+
+from . import _statements as st
+from ._codec import error_text
+from ._dialects import Claimed, Strategy, strategy_for, transient_as_ours
+from ._rules import after_failure, lease_exhausted, lost_lease_error
+from ._time import Clock, require_aware, require_duration
+from ._types import Envelope, NackOutcome
+from .errors import DecodeError, InvalidArgument
+from .retry import RetryPolicy
+
+T = TypeVar("T")
+
+__all__ = ["LeasedQueue", "Processed", "check_count"]
+
+#: What transactional processing of one row returns: the envelope, the handler's error (None:
+#: handled and acknowledged in the caller's transaction) and what the failure did.
+Processed = tuple[Envelope[T], BaseException | None, NackOutcome | None]
+
+
+def check_count(n: Any) -> int:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise InvalidArgument(f"n must be a positive integer, got {n!r}")
+    return n
+
+
+class LeasedQueue(abc.ABC, Generic[T]):
+    """Take, acknowledge, fail, release and extend rows of one :class:`Shape` (see module)."""
+
+    #: For logs, hooks and wake-ups: the queue's name (an entity queue: its table's).
+    name: str
+    shape: st.Shape
+    lease: timedelta
+    retry_policy: RetryPolicy
+    clock: Clock
+
+    def _init_leases(self) -> None:
+        self._settles: dict[str, Any] = {}
+
+    def now(self) -> datetime:
+        return require_aware(self.clock(), "clock()")
+
+    @property
+    def wake_key(self) -> str:
+        """The table whose commits wake this queue's consumers."""
+        return self.shape.table.name
+
+    # -- what the two kinds of queue say ------------------------------------------------------
+
+    @abc.abstractmethod
+    def _claim(
+        self,
+        session: Session,
+        strategy: Strategy,
+        now: datetime,
+        until: datetime,
+        limit: int,
+        prefix: str,
+    ) -> list[Claimed]:
+        """Pick up to ``limit`` due rows (skipping rows other consumers hold) and take them."""
+
+    @abc.abstractmethod
+    def _payload(self, claimed: Claimed) -> T:
+        """The payload a handler gets; :class:`DecodeError` buries the row instead."""
+
+    @abc.abstractmethod
+    def _envelope(self, claimed: Claimed, payload: T) -> Envelope[T]:
+        """The envelope of a taken row."""
+
+    @abc.abstractmethod
+    def process_one(
+        self, session: Session, handler: Callable[[Envelope[T], Session], Any]
+    ) -> Processed[T] | None:
+        """Transactional mode for one row, inside the caller's transaction."""
+
+    # -- take ----------------------------------------------------------------------------------
+
+    def try_poll(self, session: Session, *, lease: timedelta | None = None) -> Envelope[T] | None:
+        """Take the first due row (by due time, then id), or None."""
+        taken = self.try_poll_many(session, 1, lease=lease)
+        return taken[0] if taken else None
+
+    @transient_as_ours
+    def try_poll_many(
+        self, session: Session, n: int, *, lease: timedelta | None = None
+    ) -> list[Envelope[T]]:
+        """Take up to ``n`` due rows in due order, each with its lease and lock token.
+
+        A row that cannot be delivered (its payload does not decode, or lost leases used up its
+        attempts) is buried on the way and the take goes on, so it never blocks the queue.
+        """
+        check_count(n)
+        lease = self.lease if lease is None else require_duration(lease, "lease")
+        strategy = strategy_for(session)
+        envelopes: list[Envelope[T]] = []
+        while len(envelopes) < n:
+            now = self.now()
+            prefix = secrets.token_hex(12) + "."
+            claimed = self._claim(session, strategy, now, now + lease, n - len(envelopes), prefix)
+            if not claimed:
+                break
+            buried = 0
+            for c in claimed:
+                envelope = self._deliver(session, c, now)
+                if envelope is None:
+                    buried += 1
+                else:
+                    envelopes.append(envelope)
+            if not buried:
+                break  # a short take means nothing more is due
+        return envelopes
+
+    def _deliver(self, session: Session, claimed: Claimed, now: datetime) -> Envelope[T] | None:
+        row = claimed.row
+        if lease_exhausted(claimed.prev_token, row.attempts, self.retry_policy):
+            error = lost_lease_error(row.attempts)
+            self._bury(session, row.id, row.lock_token, row.attempts, error, now)
+            return None
+        try:
+            payload = self._payload(claimed)
+        except DecodeError as exc:
+            self._bury(session, row.id, row.lock_token, row.attempts + 1, error_text(exc), now)
+            return None
+        return self._envelope(claimed, payload)
+
+    def next_due(self, session: Session) -> datetime | None:
+        """When the next row becomes due after now (None: nothing scheduled)."""
+        now = self.now()
+        stmt = st.next_due(self.shape, self.name if self.shape.queue is not None else None, now)
+        when: datetime | None = session.execute(stmt).scalar()
+        return when
+
+    # -- settle --------------------------------------------------------------------------------
+
+    def _settle(
+        self,
+        session: Session,
+        name: st.SettleName,
+        row_id: Any,
+        token: str,
+        *,
+        payload: Any = None,
+        **params: Any,
+    ) -> bool:
+        """Run a settle statement (see :func:`_statements.settle`); True when it matched.
+
+        ``payload``: the envelope's payload, which :meth:`_mirror` may update to match.
+        """
+        stmt = self._settles.get(name)
+        if stmt is None:
+            stmt = self._settles[name] = st.settle(self.shape, name)
+        if st.affected(session, stmt, {**params, "s_id": row_id, "s_token": token}) != 1:
+            return False
+        if payload is not None:
+            self._mirror(payload, st.settled_values(self.shape, name, params))
+        return True
+
+    def _mirror(self, payload: Any, values: dict[Any, Any]) -> None:
+        """After a settle: make an object that mirrors the row show what was written (an
+        entity queue's entities); nothing for message payloads."""
+
+    def _bury(
+        self,
+        session: Session,
+        row_id: Any,
+        token: str,
+        attempts: int,
+        error: str,
+        now: datetime,
+        payload: Any = None,
+    ) -> bool:
+        return self._settle(
+            session,
+            "bury",
+            row_id,
+            token,
+            payload=payload,
+            s_attempts=attempts,
+            s_error=error,
+            s_now=now,
+        )
+
+    @transient_as_ours
+    def ack(self, session: Session, envelope: Envelope[Any]) -> bool:
+        """Acknowledge a taken row. Guarded by the lock token: when the lease ran out and
+        another consumer took it, or it was updated meanwhile, nothing happens and False is
+        returned. A second ack is harmless."""
+        return self._ack(session, envelope)
+
+    @abc.abstractmethod
+    def _ack(self, session: Session, envelope: Envelope[Any]) -> bool: ...
+
+    @transient_as_ours
+    def ack_many(self, session: Session, envelopes: Sequence[Envelope[Any]]) -> int:
+        """Acknowledge a batch; returns how many still held their lease."""
+        if not envelopes:
+            return 0
+        return self._ack_many(session, envelopes)
+
+    def _ack_many(self, session: Session, envelopes: Sequence[Envelope[Any]]) -> int:
+        return sum(self._ack(session, e) for e in envelopes)
+
+    @transient_as_ours
+    def nack(
+        self,
+        session: Session,
+        envelope: Envelope[Any],
+        error: BaseException | str,
+        at: datetime | None = None,
+    ) -> NackOutcome:
+        """Record a failed attempt: store the error, then retry later or bury the row.
+
+        The retry time is ``at`` when given, else the retry policy's delay. After
+        ``max_attempts`` failed attempts the row is dead: never taken again, kept with its last
+        error until requeued. ``STALE`` when the lease was lost (nothing changed).
+        """
+        now = self.now()
+        when = None if at is None else require_aware(at, "at")
+        failure = after_failure(self.retry_policy, envelope.attempt, now, when)
+        text = error_text(error)
+        payload = envelope.payload
+        if failure.dead:
+            buried = self._bury(
+                session, envelope.id, envelope.lock_token, failure.attempts, text, now, payload
+            )
+            return NackOutcome.DEAD if buried else NackOutcome.STALE
+        updated = self._settle(
+            session,
+            "nack",
+            envelope.id,
+            envelope.lock_token,
+            payload=payload,
+            s_at=failure.next_at,
+            s_attempts=failure.attempts,
+            s_error=text,
+            s_now=now,
+        )
+        return NackOutcome.RETRY_SCHEDULED if updated else NackOutcome.STALE
+
+    retry = nack
+
+    @transient_as_ours
+    def release(self, session: Session, envelope: Envelope[Any]) -> bool:
+        """Give a taken row back, due now, without counting an attempt."""
+        return self._settle(
+            session,
+            "release",
+            envelope.id,
+            envelope.lock_token,
+            payload=envelope.payload,
+            s_at=self.now(),
+        )
+
+    @transient_as_ours
+    def extend(
+        self, session: Session, envelope: Envelope[T], lease: timedelta | None = None
+    ) -> Envelope[T] | None:
+        """Lengthen a lease to ``now + lease``; None when the lease was already lost."""
+        lease = self.lease if lease is None else require_duration(lease, "lease")
+        until = self.now() + lease
+        extended = self._settle(
+            session,
+            "extend",
+            envelope.id,
+            envelope.lock_token,
+            payload=envelope.payload,
+            s_at=until,
+        )
+        if not extended:
+            return None
+        return replace(envelope, lease_until=until)

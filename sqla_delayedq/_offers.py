@@ -1,0 +1,350 @@
+"""Offers, single and in batches: insert-if-absent, then a compare-and-swap by the offer-mode rule.
+
+A single offer inserts the row as if new; only when the key exists does it read the row and
+apply :func:`~sqla_delayedq._rules.offer_changes` with an update guarded by the row as read. A
+batch does the same a chunk at a time, with a constant number of statements per chunk, never
+one per message:
+
+- Repeated keys inside the batch are folded in Python first, in input order, exactly as
+  successive single offers would have acted. Chunks of distinct keys are sorted, so concurrent
+  batches lock rows in the same order.
+- One insert-if-absent of every key as if new (on PostgreSQL a single ``INSERT ... SELECT FROM
+  jsonb_to_recordset(...)``) reports the keys it wrote; only the keys it did not write are then
+  read (locked) and updated, with one executemany of guarded updates. On MariaDB/MySQL the
+  insert already holds those rows exclusively (see ``MySQLStrategy``), so racing batches queue
+  for them instead of deadlocking.
+- A key deleted between the insert and the read is inserted again; one inserted by a concurrent
+  transaction after that goes through the single-offer path, one key at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from itertools import islice
+from types import SimpleNamespace
+from typing import Any, NamedTuple, Protocol
+
+from sqlalchemy import Table, bindparam, update
+from sqlalchemy.orm import Session
+
+from . import _statements as st
+from ._codec import Codec, check_name
+from ._dialects import NewRow, Strategy, strategy_for
+from ._rules import new_row, offer_changes
+from ._time import require_aware
+from ._types import OfferMode, OfferResult, Outcome
+from ._wakeup import announce, notify_pending
+from .errors import ConcurrentUpdate, InvalidArgument
+from .models import KEY_MAX
+
+__all__ = ["OfferInput", "Target", "message_key", "offer_batch", "offer_one"]
+
+#: One message of a batch: ``(key, payload)`` or ``(key, payload, at)``; ``key`` may be None.
+OfferInput = tuple[str | None, Any] | tuple[str | None, Any, datetime | None]
+
+#: How many times a compare-and-swap is retried before giving up; each lost round means another
+#: transaction changed the row in between, which row locks make rare outside SQLite.
+CAS_ROUNDS = 32
+#: Bound parameters per inserted row, with headroom.
+PARAMS_PER_ROW = 12
+MAX_CHUNK = 1000
+
+
+class Target(Protocol):
+    """What an offer needs of a queue."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def table(self) -> Table: ...
+    @property
+    def codec(self) -> Codec[Any]: ...
+    @property
+    def notify(self) -> bool: ...
+    def now(self) -> datetime: ...
+
+
+def message_key(key: str | None) -> str:
+    """The caller's key, checked; a fresh random one when None."""
+    return uuid.uuid4().hex if key is None else check_name(key, "key", KEY_MAX)
+
+
+def wake(q: Target, session: Session, strategy: Strategy) -> None:
+    """Wake idle consumers when the transaction commits (see :mod:`._wakeup`)."""
+    if q.notify:
+        announce(session, strategy, q.table.name, q.name)
+
+
+# -- one message -------------------------------------------------------------------------------
+
+
+def offer_one(
+    q: Target,
+    session: Session,
+    strategy: Strategy,
+    key: str,
+    payload: dict[str, Any],
+    at: datetime | None,
+    now: datetime,
+    mode: OfferMode,
+) -> Outcome:
+    """Insert-if-absent, else compare-and-swap by the offer-mode rule (no wake-up)."""
+    t = q.table
+    row = new_row(q.name, key, payload, at or now, now)
+    notify = _notify_on_insert(q, session, strategy)
+    for _ in range(CAS_ROUNDS):
+        if strategy.insert_one(session, t, row, notify=notify):
+            if notify is not None:
+                announce(session, strategy, t.name, q.name, sent=True)
+            return Outcome.CREATED
+        if mode is OfferMode.SKIP:
+            return Outcome.IGNORED
+        found = session.execute(st.select_by_key(t, q.name, key, strategy.offer_lock)).first()
+        if found is None:
+            continue  # acknowledged and deleted in between: insert again
+        same = q.codec.same(found, payload)
+        changes = offer_changes(found, payload, same, at, now, mode)
+        if changes is None:
+            return Outcome.IGNORED
+        stmt = st.guarded_update(t, found.id, found.scheduled_at, found.lock_token).values(changes)
+        if st.affected(session, stmt) == 1:
+            return Outcome.UPDATED
+    raise ConcurrentUpdate(
+        f"offer of key {key!r} lost {CAS_ROUNDS} races in a row; retry the transaction"
+    )
+
+
+def _notify_on_insert(q: Target, session: Session, strategy: Strategy) -> str | None:
+    """The queue to wake from the insert itself (PostgreSQL piggybacks ``NOTIFY`` on it)."""
+    if q.notify and strategy.has_notify and notify_pending(session, q.table.name, q.name):
+        return q.name
+    return None
+
+
+# -- a batch -----------------------------------------------------------------------------------
+
+
+class _Item:
+    """One message of a batch, serialized once; its row values are decoded only if needed."""
+
+    __slots__ = ("_codec", "_values", "at", "index", "key", "stored")
+
+    def __init__(
+        self,
+        codec: Codec[Any],
+        index: int,
+        key: str,
+        stored: str | bytes,
+        at: datetime | None,
+    ) -> None:
+        self._codec, self.index, self.key, self.stored, self.at = codec, index, key, stored, at
+        self._values: dict[str, Any] | None = None
+
+    @property
+    def values(self) -> dict[str, Any]:
+        """The columns an offer of this message writes: the payload's."""
+        if self._values is None:
+            self._values = self._codec.columns(self.stored)
+        return self._values
+
+    def new_row(self) -> NewRow:
+        if isinstance(self.stored, str):
+            return NewRow(self.key, self.stored, None, self.at, None)
+        return NewRow(self.key, None, self.stored, self.at, None)
+
+
+class _Plan(NamedTuple):
+    row: NewRow
+    outcomes: list[tuple[int, Outcome]]
+
+
+def _batched(items: Sequence[str], size: int) -> Iterable[list[str]]:
+    it = iter(items)
+    while chunk := list(islice(it, size)):
+        yield chunk
+
+
+def chunk_size(strategy: Strategy) -> int:
+    return max(1, min(MAX_CHUNK, strategy.max_params // PARAMS_PER_ROW))
+
+
+def _validate(codec: Codec[Any], messages: Iterable[OfferInput]) -> list[_Item]:
+    items: list[_Item] = []
+    append, serialize = items.append, codec.serialize  # looked up once: hot loop
+    for i, message in enumerate(messages):
+        if not isinstance(message, tuple):
+            raise InvalidArgument(f"messages[{i}] must be a (key, payload[, at]) tuple")
+        size = len(message)
+        if size == 2:
+            at = None
+        elif size == 3:
+            at_arg = message[2]  # type: ignore[misc]  # the size was just checked
+            at = None if at_arg is None else require_aware(at_arg, f"messages[{i}] at")
+        else:
+            raise InvalidArgument(f"messages[{i}] must be a (key, payload[, at]) tuple")
+        append(_Item(codec, i, message_key(message[0]), serialize(message[1]), at))
+    return items
+
+
+def offer_batch(
+    q: Target,
+    session: Session,
+    messages: Iterable[OfferInput],
+    mode: OfferMode,
+) -> list[OfferResult]:
+    """Offer many messages: one outcome per message, in input order (see the module)."""
+    now = q.now()
+    items = _validate(q.codec, messages)
+    if not items:
+        return []
+    by_key: dict[str, list[_Item]] = {}
+    for item in items:
+        by_key.setdefault(item.key, []).append(item)
+    strategy = strategy_for(session)
+    outcomes: list[Outcome] = [Outcome.IGNORED] * len(items)
+    for keys in _batched(sorted(by_key), chunk_size(strategy)):
+        _offer_chunk(q, session, strategy, keys, by_key, mode, now, outcomes)
+    if any(o is not Outcome.IGNORED for o in outcomes):
+        wake(q, session, strategy)
+    return [OfferResult(item.key, o) for item, o in zip(items, outcomes, strict=True)]
+
+
+def _fold(
+    q: Target, key: str, items: list[_Item], row: Any, mode: OfferMode, now: datetime
+) -> tuple[Any, dict[str, Any], list[tuple[int, Outcome]]]:
+    """Apply a key's offers in input order to ``row`` (None: absent), as single offers would.
+
+    Returns the final state, the accumulated changes to an existing row, and the outcomes.
+    """
+    state: Any = row
+    changes: dict[str, Any] = {}
+    outcomes: list[tuple[int, Outcome]] = []
+    for item in items:
+        if state is None:
+            fresh = new_row(q.name, key, item.values, item.at or now, now)
+            state = SimpleNamespace(**fresh, lock_token=None)
+            outcomes.append((item.index, Outcome.CREATED))
+            continue
+        step = None
+        if mode is not OfferMode.SKIP:
+            same = q.codec.same(state, item.values)
+            step = offer_changes(state, item.values, same, item.at, now, mode)
+        if step is None:
+            outcomes.append((item.index, Outcome.IGNORED))
+            continue
+        outcomes.append((item.index, Outcome.UPDATED))
+        changes.update(step)
+        state = SimpleNamespace(**{**_as_dict(state), **step})
+    return state, changes, outcomes
+
+
+def _insert_row(key: str, state: Any) -> NewRow:
+    """The row to insert for a key whose offers were folded into ``state``."""
+    text = None if state.payload is None else json.dumps(state.payload)
+    return NewRow(key, text, state.payload_bytes, state.scheduled_at, state.scheduled_at_initially)
+
+
+def _plan_new(q: Target, key: str, items: list[_Item], mode: OfferMode, now: datetime) -> _Plan:
+    """The row and outcomes of a key that does not exist yet."""
+    if len(items) == 1:  # the common case: no folding, the payload stays as serialized
+        return _Plan(items[0].new_row(), [(items[0].index, Outcome.CREATED)])
+    state, _, outcomes = _fold(q, key, items, None, mode, now)
+    return _Plan(_insert_row(key, state), outcomes)
+
+
+def _offer_chunk(
+    q: Target,
+    session: Session,
+    strategy: Strategy,
+    keys: list[str],
+    by_key: dict[str, list[_Item]],
+    mode: OfferMode,
+    now: datetime,
+    outcomes: list[Outcome],
+) -> None:
+    t = q.table
+    # Optimistic: most batches are new keys. Insert every key as if absent; read back only the
+    # keys that were not written (they exist, or a concurrent transaction got there first).
+    plans = {key: _plan_new(q, key, by_key[key], mode, now) for key in keys}
+    written = _insert_chunk(q, session, strategy, now, {k: p.row for k, p in plans.items()})
+    for key in written:
+        for index, outcome in plans[key].outcomes:
+            outcomes[index] = outcome
+    keys = [k for k in keys if k not in written]
+    if not keys or mode is OfferMode.SKIP:
+        return  # the rest stay IGNORED
+
+    existing = {
+        r.key: r for r in session.execute(st.select_by_keys(t, q.name, keys, strategy.batch_lock))
+    }
+    inserts: dict[str, NewRow] = {}
+    updates: list[tuple[Any, dict[str, Any]]] = []
+    for key in keys:
+        row = existing.get(key)
+        state, changes, folded = _fold(q, key, by_key[key], row, mode, now)
+        for index, outcome in folded:
+            outcomes[index] = outcome
+        if row is None:
+            inserts[key] = _insert_row(key, state)
+        elif changes:
+            updates.append((row, changes))
+    written = _insert_chunk(q, session, strategy, now, inserts) if inserts else set()
+    if updates:
+        _update_chunk(session, t, updates)
+    for key in inserts:
+        if key in written:
+            continue
+        # Inserted by a concurrent transaction after our SELECT: replay its offers singly.
+        for item in by_key[key]:
+            outcomes[item.index] = offer_one(
+                q, session, strategy, key, item.values, item.at, now, mode
+            )
+
+
+def _as_dict(state: Any) -> dict[str, Any]:
+    if isinstance(state, SimpleNamespace):
+        return dict(vars(state))
+    return dict(state._mapping)
+
+
+def _insert_chunk(
+    q: Target,
+    session: Session,
+    strategy: Strategy,
+    now: datetime,
+    inserts: dict[str, NewRow],
+) -> set[str]:
+    """Insert rows for absent keys, in key order; return the keys actually written."""
+    rows = [inserts[k] for k in sorted(inserts)]
+    return strategy.insert_rows(session, q.table, q.name, q.codec.type_name, now, rows)
+
+
+def _update_chunk(session: Session, t: Table, updates: list[tuple[Any, dict[str, Any]]]) -> None:
+    groups: dict[frozenset[str], list[dict[str, Any]]] = {}
+    for row, changes in updates:
+        params = {f"new_{k}": v for k, v in changes.items()}
+        params |= {"row_id": row.id, "seen_at": row.scheduled_at, "seen_token": row.lock_token}
+        groups.setdefault(frozenset(changes), []).append(params)
+    for columns, rows in groups.items():
+        stmt = (
+            update(t)
+            .where(
+                t.c.id == bindparam("row_id"),
+                t.c.scheduled_at.is_not_distinct_from(
+                    bindparam("seen_at", type_=t.c.scheduled_at.type)
+                ),
+                t.c.lock_token.is_not_distinct_from(
+                    bindparam("seen_token", type_=t.c.lock_token.type)
+                ),
+            )
+            .values({c: bindparam(f"new_{c}", type_=t.c[c].type) for c in sorted(columns)})
+        )
+        result: Any = session.execute(stmt, rows)
+        if result.context.dialect.supports_sane_multi_rowcount and result.rowcount != len(rows):
+            raise ConcurrentUpdate(
+                f"{len(rows) - result.rowcount} rows of a batch changed under their lock; "
+                "roll back and retry the transaction"
+            )

@@ -1,0 +1,166 @@
+"""The row rules, each in one place: what a new message row holds, what an offer does to a row
+that exists, and what a failed or abandoned attempt does.
+
+Single offers, batch offers and cron write rows through :func:`new_row` and
+:func:`offer_changes`; message and entity queues decide failures through
+:func:`after_failure` and :func:`lease_exhausted`. No I/O here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from ._types import OfferMode
+from .retry import RetryPolicy
+
+__all__ = [
+    "FRESH",
+    "INSERT_COLUMNS",
+    "OFFER_RULES",
+    "Failure",
+    "OfferRule",
+    "after_failure",
+    "lease_exhausted",
+    "lost_lease_error",
+    "new_row",
+    "offer_changes",
+]
+
+#: Columns an offer writes when it creates a row (in this order).
+INSERT_COLUMNS = (
+    "queue",
+    "key",
+    "payload_type",
+    "payload",
+    "payload_bytes",
+    "status",
+    "scheduled_at",
+    "scheduled_at_initially",
+    "created_at",
+    "attempts",
+)
+
+#: The state an update by an offer gives a row back: pending, no lease, a fresh run.
+FRESH = {"lock_token": None, "status": "pending", "attempts": 0, "last_error": None}
+
+
+@dataclass(frozen=True, slots=True)
+class OfferRule:
+    """What an offer of one mode does to a row that exists (see :func:`offer_changes`).
+
+    Both the offers' Python path and the Spark pipeline's SQL upsert are written from these.
+    """
+
+    #: Whether the offer may change an existing row at all.
+    updates: bool
+    #: True: an identical payload is ignored only when the offered time is the stored initial
+    #: time (or no time was offered); False: an identical payload is always ignored.
+    compares_schedule: bool
+    #: True: the offered time (else now) becomes the schedule; False: the schedule is kept
+    #: (a done or dead row has none left: the offered time, else now; one in flight: now).
+    reschedules: bool
+
+
+OFFER_RULES: dict[OfferMode, OfferRule] = {
+    OfferMode.REPLACE: OfferRule(updates=True, compares_schedule=True, reschedules=True),
+    OfferMode.KEEP_SCHEDULE: OfferRule(updates=True, compares_schedule=False, reschedules=False),
+    OfferMode.SKIP: OfferRule(updates=False, compares_schedule=False, reschedules=False),
+}
+
+
+def new_row(
+    queue: str, key: str, payload: dict[str, Any], at: datetime, now: datetime
+) -> dict[str, Any]:
+    """The columns of a new message row (``payload``: the codec's payload columns)."""
+    return {
+        "queue": queue,
+        "key": key,
+        **payload,
+        "status": "pending",
+        "scheduled_at": at,
+        "scheduled_at_initially": at,
+        "created_at": now,
+        "attempts": 0,
+    }
+
+
+def offer_changes(
+    row: Any,
+    payload: dict[str, Any],
+    same_payload: bool,
+    at: datetime | None,
+    now: datetime,
+    mode: OfferMode,
+) -> dict[str, Any] | None:
+    """The update an offer makes to an existing row, or None when it is ``IGNORED``.
+
+    ``at`` is None when the caller gave no time ("as soon as possible"): then an identical
+    payload is ``IGNORED`` whatever the stored schedule, since the message is already there.
+
+    - ``REPLACE``: payload and schedule; identical payload and schedule is ``IGNORED``.
+    - ``KEEP_SCHEDULE``: payload only; an identical payload is ``IGNORED``. A row that is done or
+      dead has no schedule left (due at ``at``, else now); one in flight gets the new payload as
+      soon as possible (now), never under the old consumer's lease.
+    - ``SKIP``: never updates.
+
+    Every update starts a fresh run (no lease, no attempts, no error), so a consumer still
+    holding the old version cannot acknowledge it.
+    """
+    rule = OFFER_RULES[mode]
+    if not rule.updates:
+        return None
+    if same_payload and (
+        not rule.compares_schedule or at is None or row.scheduled_at_initially == at
+    ):
+        return None
+    if rule.reschedules:
+        when = now if at is None else at
+        return {**payload, **FRESH, "scheduled_at": when, "scheduled_at_initially": when}
+    if row.status != "pending":
+        scheduled_at = at or now
+    elif row.lock_token is not None:
+        scheduled_at = now
+    else:
+        scheduled_at = row.scheduled_at
+    return {**payload, **FRESH, "scheduled_at": scheduled_at}
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """What a failed attempt does: the attempts it records, and when it runs next (None: dead)."""
+
+    attempts: int
+    next_at: datetime | None
+
+    @property
+    def dead(self) -> bool:
+        return self.next_at is None
+
+
+def after_failure(
+    policy: RetryPolicy, attempt: int, now: datetime, at: datetime | None = None
+) -> Failure:
+    """Attempt number ``attempt`` failed: retry at ``at`` (else after the policy's delay), or
+    dead once ``max_attempts`` attempts have failed."""
+    if attempt >= policy.max_attempts:
+        return Failure(attempt, None)
+    return Failure(attempt, at if at is not None else now + policy.delay(attempt))
+
+
+def lease_exhausted(prev_token: str | None, attempts: int, policy: RetryPolicy) -> bool:
+    """A take after lost leases: whether those lost attempts used up ``max_attempts``.
+
+    A take that follows an expired lease (the lock token was still set) counts the lost attempt
+    (see the take statement), so a message or entity that keeps killing or hanging its consumer
+    ends dead instead of being redelivered forever.
+    """
+    return prev_token is not None and attempts >= policy.max_attempts
+
+
+def lost_lease_error(attempts: int) -> str:
+    return (
+        f"lease ran out without an ack on {attempts} attempts (the consumer crashed, hung or "
+        "outlived its lease); dead after max_attempts"
+    )

@@ -1,0 +1,326 @@
+"""Nothing is ever acknowledged without its handler having run, and every failure says so.
+
+Each consumer (the thread worker in both modes and for batches, the asyncio worker, the entity
+queue's ``process_due``) refuses a handler it cannot run at registration; a handler that slips
+through anyway (a lambda returning a coroutine) fails its attempt instead of being acknowledged.
+Failed attempts are logged with queue, key, attempt and traceback; errors a worker must not
+retry stop it loudly instead of spinning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy.orm import Session
+
+from sqla_delayedq import (
+    DelayedQueue,
+    Envelope,
+    ExponentialBackoff,
+    InvalidArgument,
+    MessageFilter,
+    WorkerError,
+)
+from sqla_delayedq.aio import AsyncQueue, AsyncWorker
+from sqla_delayedq.worker import Worker, WorkerHooks
+
+NO_RETRY_DELAY = ExponentialBackoff(max_attempts=2, initial=timedelta(0), jitter=0)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+async def async_handler(env: Envelope[Any]) -> None:
+    raise AssertionError("never awaited by a synchronous consumer")
+
+
+class AsyncCallable:
+    async def __call__(self, env: Envelope[Any]) -> None:
+        raise AssertionError("never awaited")
+
+
+def sync_handler(env: Envelope[Any]) -> None:
+    pass
+
+
+# -- refused at registration --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "handler",
+    [async_handler, functools.partial(async_handler), AsyncCallable()],
+    ids=["async-def", "partial", "async-callable"],
+)
+def test_the_thread_worker_refuses_async_handlers(backend, handler):
+    q: DelayedQueue[Any] = DelayedQueue("h")
+    worker = Worker(backend.Session)
+    with pytest.raises(InvalidArgument, match=r"async function.*AsyncWorker"):
+        worker.register(q, handler)
+    with pytest.raises(InvalidArgument, match="async function"):
+        worker.register(q, handler, mode="transactional")
+    with pytest.raises(InvalidArgument, match="async function"):
+        worker.register_batch(q, handler)
+
+
+def test_the_asyncio_worker_refuses_plain_functions(async_backend):
+    worker = AsyncWorker(async_backend.sessions)
+    with pytest.raises(InvalidArgument, match=r"not an async function.*async def"):
+        worker.register(DelayedQueue("h"), sync_handler)
+    with pytest.raises(InvalidArgument, match="not an async function"):
+        worker.register(AsyncQueue(DelayedQueue("h")), sync_handler, mode="transactional")
+    worker.register(DelayedQueue("h"), async_handler)  # the right kind is accepted
+
+
+def test_workers_refuse_the_wrong_kind_of_handler_for_entity_queues_too(backend):
+    from sqla_delayedq import EntityQueue
+    from tests.entity_app.models import Order
+
+    with pytest.raises(InvalidArgument, match="async function"):
+        Worker(backend.Session).register(EntityQueue(Order), async_handler)
+    with pytest.raises(InvalidArgument, match="not an async function"):
+        AsyncWorker(backend.Session).register(EntityQueue(Order), sync_handler)
+    with pytest.raises(InvalidArgument, match="expected a DelayedQueue or an EntityQueue"):
+        Worker(backend.Session).register("emails", sync_handler)
+
+
+# -- a handler that slips through fails; it is never acknowledged -------------------------------
+
+
+def _coroutine_returning(calls: list[str]) -> Callable[..., Any]:
+    async def body(env: Envelope[Any]) -> None:
+        calls.append(env.key)  # would only run if something awaited it
+
+    return lambda env, *rest: body(env)
+
+
+@pytest.mark.parametrize("mode", ["lease", "transactional", "batch"])
+def test_a_handler_returning_a_coroutine_fails_its_attempt_on_the_thread_worker(
+    backend, mode, caplog
+):
+    q: DelayedQueue[Any] = DelayedQueue(f"coro-{mode}", retry=NO_RETRY_DELAY)
+    with backend.Session.begin() as s:
+        q.offer(s, "k", {"v": 1})
+    ran: list[str] = []
+    worker = Worker(backend.Session, concurrency=1, poll_interval=0.05, listen=False)
+    handler = _coroutine_returning(ran)
+    if mode == "batch":
+        worker.register_batch(q, handler, batch_size=10)
+    else:
+        worker.register(q, handler, mode=mode)
+    caplog.set_level(logging.WARNING, logger="sqla_delayedq")
+    worker.start()
+    try:
+
+        def dead() -> bool:
+            with backend.Session() as s:
+                return q.counts(s).dead == 1
+
+        assert wait_for(dead, 20)
+    finally:
+        worker.stop(5)
+    assert ran == []  # the coroutine never ran ...
+    with backend.Session() as s:
+        (info,) = q.search(s, MessageFilter(state="dead"))
+    assert info.attempts == 2  # ... so each attempt failed instead of being acknowledged
+    assert "HandlerNotAwaited" in (info.last_error or "")
+    assert "AsyncWorker" in (info.last_error or "")
+    assert any(r.levelno >= logging.ERROR and "dead" in r.getMessage() for r in caplog.records)
+
+
+def test_the_asyncio_worker_does_not_run_a_handler_twice_when_it_returned_no_awaitable():
+    """Defence in depth behind the registration check: a callable that returned a plain value
+    has already run to its end; that is its outcome (awaiting it would fail and retry it)."""
+    from sqla_delayedq.aio import AsyncRuntime
+
+    ran: list[int] = []
+
+    def plain(env: Any) -> str:
+        ran.append(1)
+        return "done"
+
+    loop = asyncio.new_event_loop()
+    try:
+        assert AsyncRuntime(loop, lambda **kw: None).call(plain, None) == "done"
+    finally:
+        loop.close()
+    assert ran == [1]
+
+
+# -- failures are logged ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["lease", "transactional"])
+def test_a_failing_handler_is_logged_with_queue_key_attempt_and_traceback(backend, mode, caplog):
+    q: DelayedQueue[Any] = DelayedQueue(f"log-{mode}", retry=NO_RETRY_DELAY)
+    with backend.Session.begin() as s:
+        q.offer(s, "order/7", {"v": 1})
+
+    def boom(env: Envelope[Any], session: Session | None = None) -> None:
+        raise ValueError("card declined")
+
+    caplog.set_level(logging.WARNING, logger="sqla_delayedq")
+    worker = Worker(backend.Session, concurrency=1, poll_interval=0.05, listen=False)
+    worker.register(q, boom, mode=mode)
+    worker.start()
+    try:
+
+        def dead() -> bool:
+            with backend.Session() as s:
+                return q.counts(s).dead == 1
+
+        assert wait_for(dead, 20)
+    finally:
+        worker.stop(5)
+    records = [r for r in caplog.records if "card declined" in r.getMessage()]
+    retried = [r for r in records if r.levelno == logging.WARNING]
+    died = [r for r in records if r.levelno == logging.ERROR]
+    assert len(retried) == 1 and len(died) == 1
+    for record, attempt in ((retried[0], 1), (died[0], 2)):
+        text = record.getMessage()
+        assert f"log-{mode}/order/7" in text and f"attempt {attempt}" in text
+        assert record.exc_info is not None and record.exc_info[0] is ValueError
+    assert "dead" in died[0].getMessage()
+
+
+def test_a_failing_async_handler_is_logged(async_backend, caplog):
+    q: DelayedQueue[Any] = DelayedQueue("alog", retry=NO_RETRY_DELAY)
+    with async_backend.sync.Session.begin() as s:
+        q.offer(s, "k", {})
+
+    async def boom(env: Envelope[Any]) -> None:
+        raise KeyError("missing")
+
+    async def scenario() -> None:
+        worker = AsyncWorker(async_backend.sessions, concurrency=1, poll_interval=0.05)
+        worker.register(q, boom)
+        task = asyncio.create_task(worker.run(install_signal_handlers=False))
+        for _ in range(500):
+            if any(r.levelno == logging.ERROR for r in caplog.records):
+                break
+            await asyncio.sleep(0.02)
+        worker.request_stop()
+        await task
+
+    caplog.set_level(logging.WARNING, logger="sqla_delayedq")
+    asyncio.run(scenario())
+    died = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert died and "alog/k" in died[0].getMessage() and died[0].exc_info is not None
+
+
+def test_a_failing_entity_handler_is_logged(backend, caplog):
+    from sqla_delayedq import EntityQueue
+    from tests.entity_app.models import Base, Order
+
+    Base.metadata.create_all(backend.engine)
+    try:
+        eq = EntityQueue(Order)
+        with backend.Session.begin() as s:
+            order = Order(reference="r1", company_id=1, amount_cents=5)
+            s.add(order)
+            s.flush()
+            eq.schedule(s, order)
+
+        def boom(envelope: Envelope[Order], session: Session) -> None:
+            raise RuntimeError("no stock")
+
+        caplog.set_level(logging.WARNING, logger="sqla_delayedq")
+        worker = Worker(backend.Session).register(eq, boom, mode="transactional")
+        assert worker.process_due() == 1
+        (record,) = [r for r in caplog.records if "no stock" in r.getMessage()]
+        assert record.levelno == logging.WARNING and "attempt 1" in record.getMessage()
+    finally:
+        Base.metadata.drop_all(backend.engine)
+
+
+# -- errors a worker must not retry stop it loudly ----------------------------------------------
+
+
+def test_a_programming_error_in_the_loop_stops_the_worker_instead_of_spinning(backend, caplog):
+    class Broken(DelayedQueue[Any]):
+        def try_poll_many(self, *args: Any, **kwargs: Any) -> Any:
+            raise AttributeError("'Broken' object has no attribute 'process_one'")
+
+    polls: list[int] = []
+    q = Broken("broken")
+    worker = Worker(backend.Session, concurrency=2, poll_interval=0.05, listen=False)
+    worker.register(q, lambda env: polls.append(1))
+    caplog.set_level(logging.WARNING, logger="sqla_delayedq")
+    stopper = threading.Timer(10, worker.request_stop)  # only if it fails to stop by itself
+    stopper.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(WorkerError, match="AttributeError"):
+            worker.run(install_signal_handlers=False)
+    finally:
+        stopper.cancel()
+    assert time.monotonic() - started < 5
+    assert isinstance(worker.failure, AttributeError)
+    critical = [r for r in caplog.records if r.levelno == logging.CRITICAL]
+    assert critical and critical[0].exc_info is not None
+    assert not any(
+        "transient" in r.getMessage() and "retrying" in r.getMessage() for r in caplog.records
+    )
+
+
+def test_a_missing_table_stops_the_asyncio_worker_loudly(async_backend, caplog):
+    from sqlalchemy.orm import DeclarativeBase
+
+    from sqla_delayedq import QueueMessageMixin
+
+    class Base(DeclarativeBase):
+        pass
+
+    class Missing(QueueMessageMixin, Base):
+        __tablename__ = "no_such_table"
+
+    async def handler(env: Envelope[Any]) -> None:
+        pass
+
+    async def scenario() -> None:
+        worker = AsyncWorker(async_backend.sessions, concurrency=2, poll_interval=0.05)
+        worker.register(DelayedQueue("q", model=Missing), handler)
+        with pytest.raises(WorkerError):
+            await asyncio.wait_for(worker.run(install_signal_handlers=False), 10)
+
+    caplog.set_level(logging.WARNING, logger="sqla_delayedq")
+    asyncio.run(scenario())
+    assert any(r.levelno == logging.CRITICAL for r in caplog.records)
+
+
+def test_a_raising_hook_is_logged_and_does_not_stop_the_worker(backend, caplog):
+    class BadHooks(WorkerHooks):
+        def processed(self, queue: str, envelope: Envelope[Any], seconds: float) -> None:
+            raise RuntimeError("metrics backend down")
+
+    q: DelayedQueue[Any] = DelayedQueue("hooks")
+    with backend.Session.begin() as s:
+        q.offer_batch(s, [(f"k{i}", {}) for i in range(3)])
+    handled: list[str] = []
+    worker = Worker(
+        backend.Session, concurrency=1, poll_interval=0.05, listen=False, hooks=BadHooks()
+    )
+    worker.register(q, lambda env: handled.append(env.key))
+    caplog.set_level(logging.WARNING, logger="sqla_delayedq")
+    worker.start()
+    try:
+        assert wait_for(lambda: len(handled) == 3, 20)
+    finally:
+        worker.stop(5)
+    assert worker.failure is None
+    assert (
+        sum("metrics backend down" in (r.exc_text or str(r.exc_info)) for r in caplog.records) == 3
+    )

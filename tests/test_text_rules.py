@@ -1,0 +1,130 @@
+"""Text rules on every backend: what cannot be stored is refused before SQL, naming the field;
+key prefixes are literal and case-sensitive, so an admin command touches only what it names."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import pytest
+import sqlalchemy as sa
+
+from sqla_delayedq import (
+    DelayedMessage,
+    DelayedQueue,
+    EncodeError,
+    InvalidArgument,
+    MessageFilter,
+)
+from tests.fix_queue import record_sql
+
+T = cast(sa.Table, DelayedMessage.__table__)
+
+BAD = {"nul": "a\x00b", "high-surrogate": "a\ud800b", "low-surrogate": "a\udc00b"}
+
+
+def row_count(backend: Any) -> int:
+    with backend.engine.connect() as conn:
+        return conn.execute(sa.select(sa.func.count()).select_from(T)).scalar_one()
+
+
+@pytest.mark.parametrize("bad", BAD.values(), ids=BAD.keys())
+def test_unstorable_text_is_refused_before_any_sql_naming_the_field(backend, make_queue, bad):
+    q = make_queue()
+    with record_sql(backend.engine) as sql, backend.Session.begin() as s:
+        with pytest.raises(InvalidArgument, match=r"^key contains"):
+            q.offer(s, bad, {"v": 1})
+        with pytest.raises(EncodeError, match=r"payload\['items'\]\[1\]\['name'\] contains"):
+            q.offer(s, "k", {"items": [{"name": "ok"}, {"name": bad}]})
+        with pytest.raises(EncodeError, match=r"payload \(a key\) contains"):
+            q.offer(s, "k", {bad: 1})
+        with pytest.raises(EncodeError, match=r"payload\[1\] contains"):
+            q.offer_batch(s, [("x", "fine"), ("y", ["fine", bad])])
+        with pytest.raises(InvalidArgument, match="key contains"):
+            q.offer_batch(s, [("x", "fine"), (bad, "fine")])
+    assert sql == []
+    with pytest.raises(InvalidArgument, match="queue name contains"):
+        DelayedQueue(bad)
+    assert row_count(backend) == 0
+
+
+def test_escaped_lookalikes_and_surrogate_pairs_are_stored(backend, make_queue):
+    q = make_queue()
+    payloads = {
+        "emoji": {"text": "snake \U0001f40d and é"},  # a surrogate pair in ASCII-escaped JSON
+        "backslash-u": {"text": "\\u0000 is only text here"},
+        "escaped-backslash": {"text": "\\\\ud800"},
+    }
+    with backend.Session.begin() as s:
+        for key, payload in payloads.items():
+            q.offer(s, key, payload)
+    with backend.Session() as s:
+        for key, payload in payloads.items():
+            info = q.get(s, key)
+            assert info is not None and info.payload == payload
+
+
+def test_an_error_text_with_unstorable_characters_is_recorded(backend, make_queue):
+    q = make_queue()
+    with backend.Session.begin() as s:
+        q.offer(s, "k", {"v": 1})
+    with backend.Session.begin() as s:
+        env = q.try_poll(s)
+        assert env is not None
+        q.nack(s, env, ValueError("bad byte \x00 and \ud800 in the input"))
+    with backend.Session() as s:
+        info = q.get(s, "k")
+    assert info is not None and info.attempts == 1
+    assert "bad byte \ufffd and \ufffd in the input" in (info.last_error or "")
+
+
+KEYS = ["Apple/1", "apple/2", "APPLE/3", "Ap%le/4", "Ap_le/5", "Apple /6", "Äpple/7"]
+
+
+@pytest.mark.parametrize(
+    ("prefix", "expected"),
+    [
+        ("A", ["Apple/1", "APPLE/3", "Ap%le/4", "Ap_le/5", "Apple /6"]),
+        ("a", ["apple/2"]),
+        ("Apple", ["Apple/1", "Apple /6"]),
+        ("Apple/", ["Apple/1"]),
+        ("Ap%", ["Ap%le/4"]),
+        ("Ap_", ["Ap_le/5"]),
+        ("Ä", ["Äpple/7"]),
+        ("ä", []),
+    ],
+)
+def test_key_prefixes_are_literal_and_case_sensitive(backend, make_queue, prefix, expected):
+    q = make_queue()
+    with backend.Session.begin() as s:
+        q.offer_batch(s, [(k, {"k": k}) for k in KEYS])
+    f = MessageFilter(key_prefix=prefix)
+    with backend.Session() as s:
+        assert sorted(m.key for m in q.search(s, f)) == sorted(expected)
+        assert q.count(s, f) == len(expected)
+    with backend.Session.begin() as s:
+        assert q.drop_where(s, f) == len(expected)
+    with backend.Session() as s:
+        assert sorted(m.key for m in q.search(s)) == sorted(set(KEYS) - set(expected))
+
+
+def test_the_cli_drops_only_the_keys_with_the_exact_prefix(backend, make_queue):
+    from click.testing import CliRunner
+
+    from sqla_delayedq.cli import cli
+
+    q = DelayedQueue("cli-prefix")
+    with backend.Session.begin() as s:
+        q.offer_batch(s, [(k, {"k": k}) for k in KEYS])
+    url = backend.url.render_as_string(hide_password=False)
+    runner = CliRunner()
+    listed = runner.invoke(
+        cli, ["ls", "--url", url, "-q", "cli-prefix", "--key-prefix", "a", "--json"]
+    )
+    assert listed.exit_code == 0, listed.output
+    assert '"apple/2"' in listed.output and '"Apple/1"' not in listed.output
+    dropped = runner.invoke(
+        cli, ["drop", "--url", url, "-q", "cli-prefix", "--key-prefix", "a", "--yes"]
+    )
+    assert dropped.exit_code == 0, dropped.output
+    with backend.Session() as s:
+        assert sorted(m.key for m in q.search(s)) == sorted(set(KEYS) - {"apple/2"})

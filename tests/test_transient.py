@@ -1,0 +1,139 @@
+"""Transient database errors inside queue operations: the library's TransientError, and
+``run_in_transaction`` running the caller's unit of work again until it goes through.
+
+A lock held by another transaction plus a short lock timeout makes the server refuse an offer
+for real (PostgreSQL 55P03, MariaDB 1205), without faking any driver error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+from sqla_delayedq import DelayedQueue, Outcome, TransientError, is_transient, run_in_transaction
+from sqla_delayedq.aio import AsyncQueue, run_in_transaction_async
+
+
+def short_lock_timeout(session: Session) -> None:
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(text("SET LOCAL lock_timeout = '150ms'"))
+    else:
+        session.execute(text("SET SESSION innodb_lock_wait_timeout = 1"))
+
+
+def hold_row(backend: Any, q: DelayedQueue[Any], key: str, seconds: float) -> threading.Thread:
+    """A transaction that updates ``key`` and keeps its row lock for ``seconds``."""
+    locked = threading.Event()
+
+    def run() -> None:
+        with backend.Session.begin() as s:
+            q.offer(s, key, {"holder": True})
+            locked.set()
+            time.sleep(seconds)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert locked.wait(10)
+    return thread
+
+
+def test_an_offer_refused_for_now_raises_the_library_transient_error(server_backend):
+    q: DelayedQueue[Any] = DelayedQueue("transient")
+    with server_backend.Session.begin() as s:
+        q.offer(s, "k", {"v": 0})
+    holder = hold_row(server_backend, q, "k", 3)
+    try:
+        with (
+            pytest.raises(TransientError, match="roll back the transaction") as caught,
+            server_backend.Session.begin() as s,
+        ):
+            short_lock_timeout(s)
+            q.offer(s, "k", {"v": 1})
+    finally:
+        holder.join()
+    assert is_transient(caught.value) and is_transient(caught.value.__cause__)  # type: ignore[arg-type]
+    with server_backend.Session() as s:
+        assert q.get(s, "k").payload == {"holder": True}  # the refused offer wrote nothing
+
+
+def test_run_in_transaction_runs_the_unit_of_work_again_until_it_commits(server_backend):
+    q: DelayedQueue[Any] = DelayedQueue("retried")
+    with server_backend.Session.begin() as s:
+        q.offer(s, "k", {"v": 0})
+    attempts: list[float] = []
+
+    def work(s: Session) -> Outcome:
+        attempts.append(time.monotonic())
+        short_lock_timeout(s)
+        return q.offer(s, "k", {"v": "mine"}).outcome
+
+    holder = hold_row(server_backend, q, "k", 1.5)
+    try:
+        outcome = run_in_transaction(server_backend.Session, work, attempts=30, initial_delay=0.1)
+    finally:
+        holder.join()
+    assert outcome is Outcome.UPDATED
+    assert len(attempts) >= 2  # at least one refused attempt ran before the one that committed
+    with server_backend.Session() as s:
+        assert q.get(s, "k").payload == {"v": "mine"}
+
+
+def test_run_in_transaction_does_not_retry_other_errors(server_backend):
+    calls: list[int] = []
+
+    def work(s: Session) -> None:
+        calls.append(1)
+        raise ValueError("a bug, not the database")
+
+    with pytest.raises(ValueError, match="a bug"):
+        run_in_transaction(server_backend.Session, work, attempts=5)
+    assert calls == [1]
+
+
+def test_run_in_transaction_gives_up_after_its_attempts(server_backend):
+    q: DelayedQueue[Any] = DelayedQueue("given-up")
+    with server_backend.Session.begin() as s:
+        q.offer(s, "k", {"v": 0})
+    calls: list[int] = []
+
+    def work(s: Session) -> None:
+        calls.append(1)
+        short_lock_timeout(s)
+        q.offer(s, "k", {"v": len(calls)})
+
+    holder = hold_row(server_backend, q, "k", 4)
+    try:
+        with pytest.raises(TransientError):
+            run_in_transaction(server_backend.Session, work, attempts=2, initial_delay=0.01)
+    finally:
+        holder.join()
+    assert len(calls) == 2
+
+
+def test_run_in_transaction_async_runs_the_work_again(async_server_backend):
+    async_backend = async_server_backend
+    q: DelayedQueue[Any] = DelayedQueue("retried-async")
+    aq = AsyncQueue(q)
+    with async_backend.sync.Session.begin() as s:
+        q.offer(s, "k", {"v": 0})
+    attempts: list[int] = []
+
+    async def work(s: Any) -> Outcome:
+        attempts.append(1)
+        await s.run_sync(short_lock_timeout)
+        return (await aq.offer(s, "k", {"v": "async"})).outcome
+
+    holder = hold_row(async_backend.sync, q, "k", 1.5)
+    try:
+        outcome = asyncio.run(
+            run_in_transaction_async(async_backend.sessions, work, attempts=30, initial_delay=0.1)
+        )
+    finally:
+        holder.join()
+    assert outcome is Outcome.UPDATED and len(attempts) >= 2

@@ -1,0 +1,163 @@
+"""Entity queues served by both workers, in-process, on every backend.
+
+The entity queue is the message queue's consumer contract over rows of the application's own
+table, so the worker serves it with the same loop: exactly once under 4 threads or tasks in
+both modes, redelivery after a lease runs out (counted as an attempt), heartbeats that keep a
+long handler's lease, and a graceful stop. Deliveries are counted in lists.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import select, true
+from sqlalchemy.orm import Session
+
+from sqla_delayedq import Delivery, EntityCounts, EntityQueue, Envelope, ExponentialBackoff
+from tests.entity_app.models import Base, Order
+from tests.fix_db import Backend
+from tests.fix_workers import running
+
+MODES = ("lease", "transactional")
+
+
+@pytest.fixture
+def db(backend: Backend) -> Iterator[Backend]:
+    backend.engine.dispose()
+    Base.metadata.drop_all(backend.engine)
+    Base.metadata.create_all(backend.engine)
+    yield backend
+    Base.metadata.drop_all(backend.engine)
+
+
+def add_scheduled(db: Backend, queue: EntityQueue[Order], n: int) -> list[int]:
+    with db.Session() as s, s.begin():
+        orders = [Order(reference=f"o-{i}", company_id=1, amount_cents=i) for i in range(n)]
+        s.add_all(orders)
+        s.flush()
+        queue.schedule(s, orders)
+        return [o.id for o in orders]
+
+
+def wait_for(predicate: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return bool(predicate())
+
+
+def counts(db: Backend, queue: EntityQueue[Order]) -> EntityCounts:
+    with db.Session() as s:
+        return queue.counts(s)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_entity_is_handled_exactly_once_by_four_consumers(db, make_worker, mode):
+    queue = EntityQueue(Order, lease=timedelta(minutes=5))
+    ids = add_scheduled(db, queue, 200)
+    handled: list[int] = []  # a list: a duplicate must show
+    lock = threading.Lock()
+
+    def handler(envelope: Envelope[Order], session: Session | None = None) -> None:
+        with lock:
+            handled.append(envelope.payload.id)
+        envelope.payload.charge_count += 1
+
+    worker = make_worker(db, concurrency=4, poll_interval=0.1, listen=False)
+    worker.register(queue, handler, mode=mode)
+    with running(worker):
+        assert wait_for(lambda: counts(db, queue).succeeded == 200, 60)
+    assert {k: n for k, n in Counter(handled).items() if n > 1} == {}
+    assert sorted(handled) == ids
+    with db.Session() as s:
+        charged = s.scalars(select(Order.charge_count)).all()
+    assert set(charged) == {1}  # the handler's change was written once, with the success
+
+
+def test_an_entity_whose_lease_ran_out_is_redelivered_as_an_attempt(db, make_worker):
+    queue = EntityQueue(Order, lease=timedelta(seconds=1), retry=ExponentialBackoff(max_attempts=3))
+    [order_id] = add_scheduled(db, queue, 1)
+    with db.Session() as s, s.begin():  # a consumer takes it and is never heard of again
+        assert len(queue.try_poll_many(s, 1)) == 1
+    time.sleep(1.2)
+    seen: list[tuple[Delivery, int]] = []
+
+    def handler(envelope: Envelope[Order]) -> None:
+        seen.append((envelope.delivery, envelope.attempt))
+
+    worker = make_worker(db, concurrency=1, poll_interval=0.1, listen=False)
+    worker.register(queue, handler)
+    with running(worker):
+        assert wait_for(lambda: counts(db, queue).succeeded == 1, 10)
+    assert seen == [(Delivery.REDELIVERY, 2)]
+    with db.Session() as s:
+        order = s.get(Order, order_id)
+        assert order is not None and order.queue_attempts == 2
+
+
+def test_a_long_lease_mode_entity_handler_keeps_its_lease(db, make_worker):
+    queue = EntityQueue(Order, lease=timedelta(seconds=1.5))
+    add_scheduled(db, queue, 1)
+    delivered: list[Delivery] = []
+
+    def handler(envelope: Envelope[Order]) -> None:
+        delivered.append(envelope.delivery)
+        time.sleep(4)
+
+    worker = make_worker(db, concurrency=2, poll_interval=0.1, listen=False)
+    worker.register(queue, handler)
+    with running(worker):
+        assert wait_for(lambda: counts(db, queue).succeeded == 1, 15)
+    assert delivered == [Delivery.FIRST]  # the other consumer never got it
+
+
+def test_stop_waits_for_an_entity_handler_in_flight(db, make_worker):
+    queue = EntityQueue(Order)
+    add_scheduled(db, queue, 1)
+    started, finished = threading.Event(), threading.Event()
+
+    def handler(envelope: Envelope[Order]) -> None:
+        started.set()
+        time.sleep(0.5)
+        finished.set()
+
+    worker = make_worker(db, concurrency=1, poll_interval=0.1, listen=False)
+    worker.register(queue, handler)
+    worker.start()
+    try:
+        assert started.wait(5)
+    finally:
+        assert worker.stop(drain_timeout=5) is True
+    assert finished.is_set()
+    assert counts(db, queue).succeeded == 1
+
+
+def test_a_worker_serves_message_and_entity_queues_together(db, make_worker):
+    from sqla_delayedq import DelayedQueue
+
+    messages: DelayedQueue[Any] = DelayedQueue("beside-entities")
+    entities = EntityQueue(Order)
+    add_scheduled(db, entities, 3)
+    with db.Session() as s, s.begin():
+        messages.offer_batch(s, [(f"m{i}", {"i": i}) for i in range(3)])
+        entities.schedule(s, true())
+    seen: list[str] = []
+    lock = threading.Lock()
+
+    def handler(envelope: Envelope[Any]) -> None:
+        with lock:
+            seen.append(envelope.queue)
+
+    worker = make_worker(db, concurrency=2, poll_interval=0.1, listen=False)
+    worker.register(messages, handler).register(entities, handler)
+    with running(worker):
+        assert wait_for(lambda: len(seen) == 6, 15)
+    assert Counter(seen) == {"beside-entities": 3, "eq_orders": 3}
