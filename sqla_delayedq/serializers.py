@@ -6,8 +6,8 @@ holds the value: ``"json"`` payloads go to the JSON column (queryable by field o
 backend), ``"bytes"`` payloads to the binary column.
 
 Typed payloads: :class:`DataclassSerializer` and :class:`PydanticSerializer` (the ``pydantic``
-extra) check the payload's type on offer and rebuild it on poll, so ``DelayedQueue("orders",
-serializer=PydanticSerializer(Order))`` is a ``DelayedQueue[Order]`` whose envelopes carry an
+extra) check the payload's type on offer and rebuild it on poll: a queue built with
+``serializer=PydanticSerializer(Order)`` is a ``DelayedQueue[Order]`` whose envelopes carry an
 ``Order``. A stored payload that no longer fits the class (a field removed, renamed or retyped
 by a deploy since it was offered) is a :class:`~sqla_delayedq.DecodeError`: the message is
 buried as dead with that error, never handed to a handler and never a crash of the worker.

@@ -146,7 +146,7 @@ class QueueDatabase:
     engine: Engine
     sessions: sessionmaker[Session]
     clock: ManualClock
-    _made: list[DelayedQueue[Any]] = field(default_factory=list, repr=False)
+    _made: list[DelayedQueue[Any]] = field(default_factory=list, init=False, repr=False)
 
     @overload
     def queue(

@@ -9,7 +9,12 @@ retries with a moved clock, the bound), ``inline`` on commit and never on rollba
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+import textwrap
 from datetime import timedelta
+from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -66,6 +71,50 @@ def test_the_clock_moves_only_forward_and_lends_itself_to_existing_queues() -> N
     with clock.use(app_queue):
         assert app_queue.now() == clock()
     assert app_queue.now() != clock()
+
+
+def test_the_plugin_loads_by_entry_point_in_a_users_project(tmp_path: Path) -> None:
+    """A user's suite gets the fixtures with no conftest and no import: pytest loads the plugin."""
+    (ep,) = [e for e in entry_points(group="pytest11") if e.name == "sqla_delayedq"]
+    assert ep.value == "sqla_delayedq.pytest_plugin"
+    (tmp_path / "test_user.py").write_text(
+        textwrap.dedent(
+            """
+            from datetime import timedelta
+
+            from sqla_delayedq.testing import assert_offered, drain
+
+
+            def test_reminder(delayedq_db, delayedq_queue, delayedq_clock):
+                seen = []
+                worker = delayedq_db.worker().register(delayedq_queue, seen.append)
+                with delayedq_db.sessions.begin() as s:
+                    delayedq_queue.offer(s, "r", {}, at=delayedq_clock() + timedelta(days=1))
+                assert_offered(delayedq_queue, delayedq_db.engine, key="r")
+                assert drain(worker, clock=delayedq_clock).handled == 1
+                assert [e.key for e in seen] == ["r"]
+            """
+        )
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_user.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "1 passed" in run.stdout
+
+
+def test_importing_the_package_loads_neither_the_helpers_nor_pytest_nor_pydantic() -> None:
+    code = (
+        "import sys, sqla_delayedq; "
+        "print(sorted(m for m in ('pytest', 'pydantic', 'sqla_delayedq.testing', "
+        "'sqla_delayedq.pytest_plugin') if m in sys.modules))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.stdout.strip() == "[]", run.stderr
 
 
 # -- on each backend, on the user's own engine ---------------------------------------------------
