@@ -196,9 +196,9 @@ def queue_database(
     own = engine is None
     bind = memory_engine() if engine is None else engine
     tables = [m.__table__ for m in models]
-    existing = set(sa.inspect(bind).get_table_names())
-    created = {t.name for t in tables if t.name not in existing}
-    missing = [t for t in tables if t.name in created]
+    inspector = sa.inspect(bind)
+    missing = [t for t in tables if not inspector.has_table(t.name, schema=t.schema)]
+    created = {t.name for t in missing}
     if missing:
         tables[0].metadata.create_all(bind, tables=missing)
     db = QueueDatabase(bind, sessionmaker(bind), clock or ManualClock())
