@@ -43,6 +43,8 @@ PAGES = [
     "docs/workers.md",
     "docs/cron.md",
     "docs/entity-queues.md",
+    "docs/testing.md",
+    "docs/payloads.md",
 ]
 
 FENCE = re.compile(r"^```(\S*)[ \t]*(.*?)[ \t]*$")
@@ -210,7 +212,9 @@ def test_reference_is_up_to_date(hash_seed: str) -> None:
 LINKED_PAGES = [
     *PAGES,
     "docs/backends.md",
-    "docs/testing.md",
+    "docs/contributing.md",
+    "docs/recipes.md",
+    "docs/why.md",
     "docs/reference.md",
 ]
 LINK = re.compile(r"\]\(([^)\s]+)\)")

@@ -6,6 +6,7 @@ Handlers run on real worker threads against a real database; deliveries are coun
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import Counter
@@ -18,8 +19,9 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from sqla_delayedq import DelayedQueue, Delivery, Envelope, ExponentialBackoff, NackOutcome
-from sqla_delayedq.worker import WorkerHooks
-from tests.fix_workers import running
+from sqla_delayedq.testing import Drained, assert_not_offered, drain, drain_async
+from sqla_delayedq.worker import Worker, WorkerHooks
+from tests.fix_workers import AsyncRunner, running
 
 MODES = ("lease", "transactional")
 DEAD = NackOutcome.DEAD
@@ -151,23 +153,37 @@ def test_a_handler_exception_is_a_nack_with_the_error_text(backend, mode, make_w
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_message_that_keeps_failing_is_dead_after_max_attempts(backend, mode, make_worker):
-    retry = ExponentialBackoff(max_attempts=3, initial=timedelta(milliseconds=10), jitter=0)
-    q: DelayedQueue[Any] = DelayedQueue("dies", retry=retry)
+@pytest.mark.parametrize("kind", ["thread", "asyncio"])
+def test_a_message_that_keeps_failing_is_dead_after_max_attempts(backend, mode, kind, clock):
+    """Retries until dead, without sleeping: the testing helpers drain the worker's own
+    ``process_due`` and move the queue's clock to each retry."""
+    retry = ExponentialBackoff(max_attempts=3, initial=timedelta(minutes=1), jitter=0)
+    q: DelayedQueue[Any] = DelayedQueue("dies", retry=retry, clock=clock)
     offer(backend, q, "bad")
     seen: list[int] = []
     hooks = RecordingHooks()
-    worker = make_worker(backend, concurrency=1, poll_interval=0.05, listen=False, hooks=hooks)
-    worker.register(q, _failing_handler(mode, seen), mode=mode)
-    with running(worker):
-        assert wait_for(lambda: len(hooks.failed_) >= 3, 10)
-        time.sleep(0.3)  # a fourth take would show now
+    handler = _failing_handler(mode, seen)
+    if kind == "thread":
+        worker = Worker(backend.Session, hooks=hooks).register(q, handler, mode=mode)
+        result = drain(worker, clock=clock)
+    else:
+        runner = AsyncRunner(backend, hooks=hooks).register(q, handler, mode=mode)
+
+        async def main() -> Drained:
+            try:
+                return await drain_async(runner.worker, clock=clock)
+            finally:
+                await runner.engine.dispose()
+
+        result = asyncio.run(main())
     assert seen == [1, 2, 3]
+    assert (result.handled, len(result.failures)) == (3, 3)
     assert [f[4] for f in hooks.failed_] == [
         NackOutcome.RETRY_SCHEDULED,
         NackOutcome.RETRY_SCHEDULED,
         NackOutcome.DEAD,
     ]
+    assert_not_offered(q, backend.engine, key="bad")
     with backend.Session() as s:
         info = q.get(s, "bad")
         counts = q.counts(s)
