@@ -6,7 +6,7 @@ import click
 
 from ._cli_admin import drop, requeue, reschedule, retry
 from ._cli_base import DelayedqGroup
-from ._cli_ops import cron, db
+from ._cli_ops import cron, db, doctor
 from ._cli_read import ls, search, show, stats
 from ._cli_worker import worker
 
@@ -25,5 +25,18 @@ def cli() -> None:
     """
 
 
-for command in (worker, stats, ls, search, show, retry, requeue, drop, reschedule, cron, db):
+for command in (
+    worker,
+    stats,
+    ls,
+    search,
+    show,
+    retry,
+    requeue,
+    drop,
+    reschedule,
+    cron,
+    db,
+    doctor,
+):
     cli.add_command(command)

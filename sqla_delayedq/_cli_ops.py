@@ -1,4 +1,4 @@
-"""``delayedq cron ls`` and ``delayedq db upgrade|current``.
+"""``delayedq cron ls``, ``delayedq db upgrade|current`` and ``delayedq doctor``.
 
 The ``db`` commands run the migrations that ship inside the package
 (:mod:`sqla_delayedq.migrations`), so they work from a pip install; the revision is recorded in
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import io
 import sys
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import click
@@ -21,7 +21,9 @@ from ._cli_base import (
     compact_json,
     create_db_engine,
     db_options,
+    duration_option,
     emit_json,
+    human_seconds,
     human_time,
     iso,
     json_option,
@@ -29,6 +31,7 @@ from ._cli_base import (
     out,
     queues_option,
     require_url,
+    short,
     url_option,
 )
 from ._cli_target import open_db
@@ -224,3 +227,69 @@ def current(url: str | None, as_json: bool) -> None:
             click.echo(line)
         if cur != heads:
             click.echo(f"not at head ({', '.join(heads)}): run 'delayedq db upgrade'")
+
+
+# -- doctor ------------------------------------------------------------------------------------
+
+
+@click.command()
+@db_options
+@duration_option(
+    "--threshold",
+    default="60s",
+    show_default=True,
+    help="Report transactions open at least this long.",
+)
+@json_option
+@click.pass_context
+def doctor(
+    ctx: click.Context,
+    app: str | None,
+    url: str | None,
+    table: str,
+    threshold: timedelta,
+    as_json: bool,
+) -> None:
+    """What keeps the database from cleaning up after the queue, and what to do about it.
+
+    Names the sessions, replication slots and prepared transactions that pin the vacuum
+    horizon (PostgreSQL) or the oldest InnoDB transactions and the history list (MariaDB/MySQL),
+    and the message table's dead rows and sizes; see docs/operations.md. Exits 0 either way.
+    """
+    from .doctor import as_dict, diagnose
+
+    db = open_db(ctx, url, table, app=app, check_table=False)
+    t = db.table
+    name = t.name if t.schema is None else f"{t.schema}.{t.name}"
+    with db.engine.connect() as conn:
+        found = diagnose(conn, [name], threshold=threshold.total_seconds())
+    if as_json:
+        emit_json(as_dict(found))
+        return
+    console = out()
+    if found.holders:
+        holders = new_table("holding the horizon", "open for", "xmin age", "who", "state", "query")
+        for h in found.holders:
+            who = " ".join(v for v in (h.user, h.application, h.client) if v)
+            holders.add_row(
+                f"{h.kind} {h.name}",
+                "-" if h.age_seconds is None else human_seconds(h.age_seconds),
+                "-" if h.xmin_age is None else f"{h.xmin_age:,}",
+                who or "-",
+                h.state or "-",
+                short(h.query, 50),
+            )
+        console.print(holders)
+    for th in found.tables:
+        console.print(
+            f"{th.table}: {th.live_rows:,} live rows, {th.dead_rows:,} dead "
+            f"({th.dead_ratio:.0%}); heap {th.table_bytes / 2**20:,.1f} MiB, indexes "
+            f"{th.index_bytes / 2**20:,.1f} MiB; last autovacuum "
+            f"{iso(th.last_autovacuum) or 'never'}" + ("; vacuuming now" if th.vacuuming else "")
+        )
+    if found.history_length is not None:
+        console.print(f"InnoDB history list length: {found.history_length:,}")
+    if found.healthy:
+        console.print(f"{found.backend}: nothing holds the horizon; no bloat to report.")
+    for line in found.advice:
+        console.print(f"- {line}", markup=False)

@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CompositeHooks",
+    "HealthCollector",
     "OtelHooks",
     "PrometheusHooks",
     "QueueStatsCollector",
@@ -416,6 +417,85 @@ class QueueStatsCollector:
         up.add_metric([], 1.0 if ok else 0.0)
         duration.add_metric([], seconds)
         yield from (depth, lag, up, duration)
+
+
+class HealthCollector:
+    """A Prometheus collector for what :mod:`sqla_delayedq.doctor` diagnoses, at most once per
+    ``min_interval`` seconds (catalog queries; no scan of the table).
+
+    ``delayedq_horizon_age_seconds`` (how long the oldest transaction holding the vacuum horizon
+    has been open; 0 when none), ``delayedq_horizon_holders``, ``delayedq_dead_rows{table}`` and
+    ``delayedq_live_rows{table}`` (PostgreSQL's statistics), ``delayedq_innodb_history_length``
+    (MariaDB/MySQL). Alert on the first: a queue slows down as it grows.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        tables: Sequence[str] = ("delayed_queue",),
+        *,
+        min_interval: float = 30.0,
+        namespace: str = "delayedq",
+    ) -> None:
+        self.engine = engine
+        self.tables = list(tables)
+        self.min_interval = min_interval
+        self.namespace = namespace
+        self._lock = threading.Lock()
+        self._read_at = -float("inf")
+        self._found: Any = None
+
+    def register(self, registry: CollectorRegistry | None = None) -> HealthCollector:
+        from prometheus_client import REGISTRY
+
+        (REGISTRY if registry is None else registry).register(self)
+        return self
+
+    def _diagnosis(self) -> Any:
+        from .doctor import diagnose
+
+        with self._lock:
+            if time.monotonic() - self._read_at >= self.min_interval:
+                try:
+                    with self.engine.connect() as conn:
+                        self._found = diagnose(conn, self.tables, threshold=0)
+                except Exception:
+                    log.exception("reading database health failed")
+                self._read_at = time.monotonic()
+            return self._found
+
+    def _families(self) -> list[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        n = self.namespace
+        return [
+            GaugeMetricFamily(
+                f"{n}_horizon_age_seconds",
+                "How long the oldest transaction holding the vacuum horizon has been open",
+            ),
+            GaugeMetricFamily(f"{n}_horizon_holders", "Sessions, slots and prepared transactions"),
+            GaugeMetricFamily(f"{n}_dead_rows", "Dead rows of a message table", labels=["table"]),
+            GaugeMetricFamily(f"{n}_live_rows", "Live rows of a message table", labels=["table"]),
+            GaugeMetricFamily(f"{n}_innodb_history_length", "InnoDB undo history not purged"),
+        ]
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families()
+
+    def collect(self) -> Iterator[Metric]:
+        age, holders, dead, live, history = self._families()
+        found = self._diagnosis()
+        if found is None:
+            return
+        age.add_metric([], found.horizon_age_seconds)
+        holders.add_metric([], len(found.holders))
+        for t in found.tables:
+            dead.add_metric([t.table], t.dead_rows)
+            live.add_metric([t.table], t.live_rows)
+        yield from (age, holders, dead, live)
+        if found.history_length is not None:
+            history.add_metric([], found.history_length)
+            yield history
 
 
 def serve_prometheus(
