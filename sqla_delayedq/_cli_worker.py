@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, cast
@@ -114,9 +115,12 @@ def metrics_hooks(
 
 def configure_logging(ctx: click.Context, level: str) -> None:
     """Log to stderr at ``level``; an explicit ``--log-level`` also wins over the app's own."""
+    from .processes import CHILD_ENV
+
+    child = "[%(process)d] " if os.environ.get(CHILD_ENV) else ""
     logging.basicConfig(
         level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=f"%(asctime)s {child}%(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
     if ctx.get_parameter_source("log_level") is ParameterSource.COMMANDLINE:
@@ -266,6 +270,15 @@ def run_user_worker(ctx: click.Context, target: str, worker: Any, metrics_port: 
     default="INFO",
     show_default=True,
 )
+@click.option(
+    "--processes",
+    "-p",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Run TARGET in this many supervised processes (a dead one is replaced; SIGTERM "
+    "drains them all).",
+)
 @click.pass_context
 def worker(
     ctx: click.Context,
@@ -287,6 +300,7 @@ def worker(
     metrics_port: int | None,
     otel: bool,
     log_level: str,
+    processes: int,
 ) -> None:
     """Run TARGET: your Worker or AsyncWorker, or (quick form) a handler function with -q.
 
@@ -295,8 +309,14 @@ def worker(
     delayedq worker myapp.jobs:make_worker     a function without arguments returning one
     delayedq worker myapp.tasks:handle -q emails --concurrency 4 --lease 5m
                                                quick form: the queue is built from the flags
+    delayedq worker myapp.jobs:worker -p 2     two processes of it, supervised
     """
-    obj = import_object(target, "TARGET")
+    obj = import_object(target, "TARGET")  # fails here, once, not in every child
+    if processes > 1:
+        from .processes import run_processes
+
+        configure_logging(ctx, log_level)
+        ctx.exit(run_processes(target, processes, child_args(target)))
     if is_worker(obj) or is_factory(obj):
         refuse_worker_flags(ctx, target)
         user_worker = as_worker(obj, target, "TARGET")
@@ -320,7 +340,7 @@ def worker(
             "Missing option '--queue' / '-q': the quick form module:function consumes the "
             "queues named with -q (or pass module:worker, a Worker built in your code)"
         )
-    params = {k: v for k, v in ctx.params.items() if k != "target"}
+    params = {k: v for k, v in ctx.params.items() if k not in ("target", "processes")}
     run_quick_form(ctx, target=target, fn=obj, **params)
 
 
@@ -384,3 +404,24 @@ def run_quick_form(
         log.warning("some handlers did not finish within the drain timeout; released them")
         ctx.exit(1)
     log.info("stopped cleanly")
+
+
+def child_args(target: str) -> list[str]:
+    """The options this command was given, without TARGET and ``--processes``: what each child
+    process of ``--processes N`` runs with (``delayedq worker TARGET ARGS``)."""
+    argv = sys.argv[1:]
+    rest = argv[argv.index("worker") + 1 :] if "worker" in argv else []
+    if target in rest:
+        rest.remove(target)
+    args: list[str] = []
+    skip = False
+    for arg in rest:
+        if skip:
+            skip = False
+        elif arg in ("--processes", "-p"):
+            skip = True
+        elif arg.startswith("--processes=") or (arg.startswith("-p") and arg[2:].isdigit()):
+            continue
+        else:
+            args.append(arg)
+    return args

@@ -43,3 +43,11 @@ not_callable = 42
 async def async_handler(envelope: Envelope[Any]) -> None:
     """What the quick form must refuse: the thread worker would never await it."""
     _note(f"async {envelope.key}")
+
+
+def with_pid(envelope: Envelope[Any], session: Session | None = None) -> None:
+    """``start KEY PID``, ``payload["sleep"]`` seconds (0 by default), ``done KEY PID``."""
+    pid = os.getpid()
+    _note(f"start {envelope.key} {pid}")
+    time.sleep(float(envelope.payload.get("sleep", 0)))
+    _note(f"done {envelope.key} {pid}")

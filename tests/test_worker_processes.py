@@ -1,0 +1,177 @@
+"""``delayedq worker --processes N``: a supervisor and N worker processes, on PostgreSQL and
+MariaDB (and SQLite for the supervision rules).
+
+Each test runs the real command in a subprocess, as a deployment would, and reads what the
+handlers did from their event file (``start KEY PID`` / ``done KEY PID``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sqla_delayedq import DelayedQueue
+from tests.fix_db import Backend
+from tests.test_cli import REPO, rows, url_of
+
+QUEUE = "jobs"
+
+
+class Supervised:
+    """A ``delayedq worker ... --processes N`` subprocess, with its log and event files."""
+
+    def __init__(self, backend: Backend, tmp_path: Path, *args: str, **env: str) -> None:
+        self.events = tmp_path / "events.txt"
+        self.log = tmp_path / "worker.log"
+        environ = {
+            **os.environ,
+            "DELAYEDQ_DATABASE_URL": url_of(backend.url),
+            "DELAYEDQ_TEST_OUT": str(self.events),
+            **env,
+        }
+        cmd = [sys.executable, "-m", "sqla_delayedq.cli", "worker", *args]
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen(cmd, cwd=REPO, env=environ, stderr=log)
+
+    def lines(self, prefix: str) -> list[list[str]]:
+        if not self.events.exists():
+            return []
+        return [ln.split() for ln in self.events.read_text().splitlines() if ln.startswith(prefix)]
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def wait(self, check: Callable[[], bool], what: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not check():
+            if self.proc.poll() is not None:
+                pytest.fail(f"supervisor exited with {self.proc.returncode}:\n{self.text()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"not {what} after {timeout} s:\n{self.text()}")
+            time.sleep(0.05)
+
+    def children(self) -> list[int]:
+        path = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+        return [int(pid) for pid in path.read_text().split()]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+
+@pytest.fixture
+def supervise(tmp_path: Path) -> Iterator[Callable[..., Supervised]]:
+    started: list[Supervised] = []
+
+    def start(backend: Backend, *args: str, **env: str) -> Supervised:
+        run = Supervised(backend, tmp_path, *args, **env)
+        started.append(run)
+        return run
+
+    yield start
+    for run in started:
+        if run.proc.poll() is None:
+            for pid in run.children():
+                os.kill(pid, signal.SIGKILL)
+            run.proc.kill()
+            run.proc.wait()
+
+
+def offer(backend: Backend, count: int, **payload: Any) -> list[str]:
+    keys = [f"m{i:05d}" for i in range(count)]
+    with backend.Session() as s, s.begin():
+        DelayedQueue[Any](QUEUE).offer_batch(s, [(k, payload) for k in keys])
+    return keys
+
+
+def started_workers(run: Supervised, n: int) -> Callable[[], bool]:
+    return lambda: run.text().count(f"consuming {QUEUE} with") >= n
+
+
+def quick_form(*extra: str) -> list[str]:
+    return ["tests.cli_handlers:with_pid", "-q", QUEUE, "--poll-interval", "0.2", *extra]
+
+
+@pytest.mark.parametrize("mode", ["lease", "transactional"])
+def test_two_processes_handle_every_message_exactly_once(server_backend, supervise, mode):
+    run = supervise(server_backend, *quick_form("-p", "2", "-c", "2", "--mode", mode))
+    run.wait(started_workers(run, 2), "two worker processes consuming")
+    keys = offer(server_backend, 600, sleep=0.005)
+    run.wait(lambda: len(run.lines("done")) >= len(keys), "every message handled")
+    assert run.stop() == 0, run.text()
+    done = run.lines("done")
+    assert Counter(line[1] for line in done) == Counter(keys)  # each once, none lost
+    assert len({line[2] for line in done}) == 2  # both processes took messages
+    assert rows(server_backend) == {}
+    assert "stopping 2 worker processes" in run.text()
+
+
+def test_a_killed_worker_process_is_replaced_and_its_messages_come_back(server_backend, supervise):
+    run = supervise(server_backend, *quick_form("-p", "2", "-c", "2", "--lease", "3"))
+    run.wait(started_workers(run, 2), "two worker processes consuming")
+    keys = offer(server_backend, 12, sleep=1.0)
+    run.wait(lambda: len(run.lines("start")) >= 4, "both processes busy")
+    victim = int(run.lines("start")[0][2])
+    os.kill(victim, signal.SIGKILL)
+    run.wait(lambda: "was killed by SIGKILL; starting a new one" in run.text(), "replaced")
+    run.wait(lambda: len(run.children()) == 2 and victim not in run.children(), "two children")
+    run.wait(lambda: not rows(server_backend), "every message acknowledged", timeout=90)
+    assert run.stop() == 0, run.text()
+    done = Counter(line[1] for line in run.lines("done"))
+    assert set(done) == set(keys)  # what the killed process held came back and was handled
+    assert victim not in {int(line[2]) for line in run.lines("done")}
+
+
+def test_sigterm_drains_every_worker_process(server_backend, supervise):
+    run = supervise(server_backend, *quick_form("-p", "2", "-c", "2"))
+    run.wait(started_workers(run, 2), "two worker processes consuming")
+    keys = offer(server_backend, 4, sleep=2.0)
+    run.wait(lambda: len(run.lines("start")) == 4, "four handlers running")
+    assert len({line[2] for line in run.lines("start")}) == 2
+    assert run.stop() == 0, run.text()
+    assert sorted(line[1] for line in run.lines("done")) == keys  # finished, not cut off
+    assert rows(server_backend) == {}
+    assert run.text().count("stopped cleanly") == 2
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_a_worker_that_cannot_start_stops_the_supervisor(backend, supervise, tmp_path):
+    """A configuration error every child hits ends the run instead of a restart loop."""
+    run = supervise(
+        backend,
+        "tests.cli_app:worker",
+        "-p",
+        "2",
+        DELAYEDQ_TEST_APP_URL=f"sqlite:///{tmp_path / 'no-tables.sqlite'}",
+    )
+    assert run.proc.wait(90) == 1, run.text()
+    assert "times in a row within 5 s of its start: stopping" in run.text()
+    assert "does not exist" in run.text() or "no such table" in run.text()
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["worker", "m:w", "-p", "2", "-c", "3"], ["-c", "3"]),
+        (
+            ["worker", "-q", "jobs", "m:h", "--processes=4", "--poll-interval", "1"],
+            ["-q", "jobs", "--poll-interval", "1"],
+        ),
+        (["worker", "m:h", "-p4", "--payload-type", "x"], ["--payload-type", "x"]),
+    ],
+)
+def test_each_child_runs_with_the_same_options(argv, expected, monkeypatch):
+    from sqla_delayedq._cli_worker import child_args
+
+    monkeypatch.setattr(sys, "argv", ["delayedq", *argv])
+    target = next(a for a in argv if ":" in a)
+    assert child_args(target) == expected
