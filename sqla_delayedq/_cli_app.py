@@ -8,6 +8,7 @@ from ._cli_admin import drop, requeue, reschedule, retry
 from ._cli_base import DelayedqGroup
 from ._cli_ops import cron, db
 from ._cli_read import ls, search, show, stats
+from ._cli_web import web
 from ._cli_worker import worker
 
 __all__ = ["cli"]
@@ -25,5 +26,5 @@ def cli() -> None:
     """
 
 
-for command in (worker, stats, ls, search, show, retry, requeue, drop, reschedule, cron, db):
+for command in (worker, stats, ls, search, show, retry, requeue, drop, reschedule, cron, db, web):
     cli.add_command(command)

@@ -686,6 +686,7 @@ def dashboard(
     token: str | None = None,
     actions: bool = False,
     queues: Any = (),
+    tables: Any = (),
     counts_ttl: float = 5.0,
     refresh: float | None = None,
     title: str = "sqla_delayedq",
@@ -702,6 +703,8 @@ def dashboard(
         (which sets an HttpOnly cookie).
     :param actions: allow changes (retry, process now, drop); read-only by default.
     :param queues: more ``DelayedQueue`` / ``EntityQueue`` objects to show.
+    :param tables: more message tables (mapped classes with ``QueueMessageMixin``) whose
+        queues to show, every queue found in them.
     :param counts_ttl: the overview's counts are shared by every viewer and recounted at most
         this often (seconds).
     :param refresh: seconds between the overview's automatic refreshes (default: counts_ttl,
@@ -716,7 +719,7 @@ def dashboard(
         raise InvalidArgument("pass authorize= or token=, not both")
     if authorize is not None and not callable(authorize):
         raise InvalidArgument("authorize must be a function of the request")
-    data = Data(target, queues=queues, counts_ttl=counts_ttl, clock=clock)
+    data = Data(target, queues=queues, tables=tables, counts_ttl=counts_ttl, clock=clock)
     return Dashboard(
         data,
         authorize=authorize,

@@ -156,6 +156,7 @@ class Data:
         target: Any,
         *,
         queues: Iterable[Any] = (),
+        tables: Iterable[type[QueueMessageMixin]] = (),
         counts_ttl: float = 5.0,
         clock: Callable[[], datetime] | None = None,
     ) -> None:
@@ -182,6 +183,13 @@ class Data:
                 raise InvalidArgument(
                     f"queues must be DelayedQueue or EntityQueue objects, got {type(q).__name__}"
                 )
+        for model in tables:
+            t = getattr(model, "__table__", None)
+            if not isinstance(model, type) or not issubclass(model, QueueMessageMixin) or t is None:
+                raise InvalidArgument(
+                    f"tables must be mapped classes with QueueMessageMixin, got {model!r}"
+                )
+            self.tables.setdefault(t.name, MessageTable(t.name, model))
         if not self.tables and not self.entities:
             self.tables[DelayedMessage.__tablename__] = MessageTable(
                 DelayedMessage.__tablename__, DelayedMessage
