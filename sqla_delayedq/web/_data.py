@@ -220,12 +220,13 @@ class Data:
             raise NotFound(f"unknown entity queue {name!r}")
         return found
 
-    def queue(self, table: str, name: str) -> RawQueue:
-        """The queue ``name`` of ``table``: configured, or holding at least one message."""
+    def queue(self, table: str, name: str, *, known: bool = False) -> RawQueue:
+        """The queue ``name`` of ``table``: configured, or holding at least one message
+        (``known``: the caller just found it in the table)."""
         mt = self.table(table)
         key = (table, name)
         if key not in self._queues:
-            if name not in mt.configured:
+            if not known and name not in mt.configured:
                 t = mt.table
                 with self.sessions() as s:
                     hit = s.execute(select(t.c.id).where(t.c.queue == name).limit(1)).first()
@@ -487,7 +488,7 @@ class Data:
         with self.sessions() as s:
             for mt in self.tables.values():
                 for name in self.queue_names(s, mt):
-                    q = self.queue(mt.name, name)
+                    q = self.queue(mt.name, name, known=True)
                     found.extend((mt.name, name, info) for info in list_cron(s, q))
         return found
 
