@@ -23,10 +23,10 @@ from click.testing import CliRunner
 from sqlalchemy import event
 
 from sqla_delayedq import DelayedQueue, ExponentialBackoff
-from sqla_delayedq.worker import Worker
 from sqla_delayedq.entity import EntityQueue
 from sqla_delayedq.errors import InvalidArgument
 from sqla_delayedq.models import stats_table, workers_table
+from sqla_delayedq.worker import Worker
 from tests.entity_app.models import Base as EntityBase
 from tests.entity_app.models import Order
 from tests.fix_db import Backend
