@@ -552,7 +552,7 @@ def test_actions_need_the_csrf_token_and_the_same_origin(
         assert response.status_code == 403
         assert "Refused" in error_text(response.text)
     with backend.Session() as s:
-        assert q.get(s, "k/0").state.value == "dead"  # type: ignore[union-attr]
+        assert q.get(s, "k/0").state.value == "dead"
     by_referer = client.post(
         "/actions",
         data={**data, "csrf": csrf},
