@@ -20,7 +20,7 @@ packaged revision ``delayedq_0003`` (``delayedq db upgrade``)::
 one ``UPDATE`` (or, for a new minute, an ``INSERT``) per queue that processed or failed
 something since the last heartbeat. At the default 10 s that is 6 transactions a minute per
 worker, each of 1 + (active queues) single-row statements on primary keys. Every
-``prune_every`` (10 minutes) one more transaction deletes counters older than ``history``
+:data:`PRUNE_EVERY` (10 minutes) one more transaction deletes counters older than ``history``
 (24 h by default) and workers not seen for that long.
 
 **Dead workers.** A worker that stops gracefully marks its row stopped. One that is killed

@@ -829,3 +829,26 @@ def test_dashboard_reads_an_async_workers_database(backend: Backend) -> None:
 
 async def _async_handler(envelope: Any) -> None:
     return None
+
+
+def test_a_stale_snapshot_is_served_while_it_is_recounted(backend: Backend) -> None:
+    q = queue()
+    offer(backend, q, 2)
+    board = dashboard(backend.Session, token=TOKEN, counts_ttl=0.2)
+    client = client_for(board)
+    due = re.compile(r'class="n due"><a [^>]*>(\d+)<')
+
+    def shown() -> str:
+        found = due.search(client.get("/fragments/overview").text)
+        assert found is not None
+        return found.group(1)
+
+    assert shown() == "2"
+    offer(backend, q, 3, prefix="more")
+    time.sleep(0.3)
+    assert shown() == "2"  # served at once; the recount runs in the background
+    deadline = time.monotonic() + 10
+    while shown() != "5":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    board.data.close()

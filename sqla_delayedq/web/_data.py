@@ -10,6 +10,7 @@ Overview counts come from a :class:`Snapshot` shared by every viewer and refresh
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 import uuid
@@ -44,6 +45,7 @@ __all__ = [
     "Overview",
 ]
 
+log = logging.getLogger("sqla_delayedq.web")
 UTC = timezone.utc
 #: Messages changed per transaction by a bulk action.
 CHUNK = 1000
@@ -108,6 +110,7 @@ class Overview:
     history: bool
     minutes: tuple[datetime, ...]
     live_workers: int | None
+    #: ``time.monotonic()`` when it was taken.
     seconds: float
 
 
@@ -195,6 +198,8 @@ class Data:
                 DelayedMessage.__tablename__, DelayedMessage
             )
         self._lock = threading.Lock()
+        self._counting = threading.Lock()
+        self._refreshing = False
         self._snapshot: Overview | None = None
         self._jobs: dict[str, Job] = {}
         self._queues: dict[tuple[str, str], RawQueue] = {}
@@ -241,13 +246,38 @@ class Data:
     # -- the overview --------------------------------------------------------------------
 
     def overview(self) -> Overview:
-        """The shared snapshot, recomputed when older than ``counts_ttl`` (one at a time)."""
+        """The shared snapshot of the counts, recounted at most every ``counts_ttl`` seconds.
+
+        One count at a time, whatever the number of viewers. Once a snapshot exists, a stale
+        one is still served while a background thread recounts (so a page never waits for a
+        count on a big table); only the first view, a view after an action, and
+        ``counts_ttl=0`` count while the request waits.
+        """
         with self._lock:
             snap = self._snapshot
-            if snap is not None and time.monotonic() - snap.seconds < self.counts_ttl:
+            if snap is not None and self.counts_ttl > 0:
+                if time.monotonic() - snap.seconds >= self.counts_ttl and not self._refreshing:
+                    self._refreshing = True
+                    threading.Thread(
+                        target=self._refresh, name="delayedq-web-counts", daemon=True
+                    ).start()
                 return snap
-            self._snapshot = snap = self._take_overview()
+        with self._counting:
+            snap = self._snapshot
+            if snap is not None and time.monotonic() - snap.seconds < max(self.counts_ttl, 0.001):
+                return snap
+            snap = self._take_overview()
+            self._snapshot = snap
             return snap
+
+    def _refresh(self) -> None:
+        try:
+            with self._counting:
+                self._snapshot = self._take_overview()
+        except Exception:
+            log.warning("dashboard: recounting the overview failed", exc_info=True)
+        finally:
+            self._refreshing = False
 
     def _take_overview(self) -> Overview:
         now = self.now()
