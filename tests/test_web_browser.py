@@ -384,7 +384,7 @@ def test_a_hostile_payload_is_shown_as_text_and_never_runs(
     time.sleep(0.3)  # an <img onerror> would have fired by now
     assert browser.execute_script("return window.pwned") is None
     try:
-        logs = browser.get_log("browser")
+        logs = browser.get_log("browser")  # type: ignore[attr-defined]
     except WebDriverException:
         logs = []
     assert not [entry for entry in logs if "pwned" in entry.get("message", "")]
