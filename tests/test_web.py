@@ -852,3 +852,20 @@ def test_a_stale_snapshot_is_served_while_it_is_recounted(backend: Backend) -> N
         assert time.monotonic() < deadline
         time.sleep(0.05)
     board.data.close()
+
+
+def test_bulk_actions_offered_are_those_that_apply_to_the_filter(
+    backend: Backend, client: TestClient
+) -> None:
+    offer(backend, queue(), 1)
+    base = "/messages?table=delayed_queue&queue=emails"
+    offered = {
+        state: set(re.findall(r'id="bulk-(\w+)"', client.get(f"{base}&state={state}").text))
+        for state in ("", "dead", "due", "in_flight")
+    }
+    assert offered == {
+        "": {"retry", "process_now"},
+        "dead": {"retry", "drop"},
+        "due": {"process_now", "drop"},
+        "in_flight": {"drop"},
+    }

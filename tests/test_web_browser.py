@@ -19,7 +19,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     import uvicorn
     from selenium import webdriver
-    from selenium.common.exceptions import WebDriverException
+    from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
     from selenium.webdriver.remote.webdriver import WebDriver
@@ -139,7 +139,10 @@ def sign_in(browser: WebDriver, served: Served, path: str = "/") -> None:
 
 
 def wait(browser: WebDriver, check: Callable[[WebDriver], Any], timeout: float = 15) -> Any:
-    return WebDriverWait(browser, timeout, poll_frequency=0.1).until(check)
+    """Until ``check`` holds; elements of a page being replaced may go stale meanwhile."""
+    return WebDriverWait(
+        browser, timeout, poll_frequency=0.1, ignored_exceptions=[StaleElementReferenceException]
+    ).until(check)
 
 
 def text_of(browser: WebDriver, css: str) -> str:
@@ -251,15 +254,16 @@ def test_filter_dead_messages_by_a_payload_field_and_retry_one(
 
     def rows(b: WebDriver) -> list[str]:
         found = b.find_elements(By.CSS_SELECTOR, "#messages tbody tr[data-key]")
-        return [str(r.get_attribute("data-key")) for r in found]
+        return sorted(str(r.get_attribute("data-key")) for r in found)
 
-    assert sorted(rows(browser)) == [f"invoice/{i}" for i in range(4)]
+    wait(browser, lambda b: "companyId" in b.current_url)
+    wait(browser, lambda b: rows(b) == [f"invoice/{i}" for i in range(4)])
     screenshot(browser, backend, "messages")
 
     browser.find_element(By.CSS_SELECTOR, 'tr[data-key="invoice/0"] button.retry').click()
     wait(browser, lambda b: "invoice/0" not in rows(b))
     assert "state=dead" in browser.current_url and "companyId" in browser.current_url
-    assert sorted(rows(browser)) == [f"invoice/{i}" for i in (1, 2, 3)]
+    assert rows(browser) == [f"invoice/{i}" for i in (1, 2, 3)]
     with backend.Session() as s:
         info = q.get(s, "invoice/0")
         assert info is not None and info.state.value == "due"
@@ -302,6 +306,7 @@ class Attacker(BaseHTTPRequestHandler):
 
     target = ""
     fields: dict[str, str] = {}
+    timeout = 2  # Chrome's idle preconnections must not hold the server's shutdown
 
     def do_GET(self) -> None:
         inputs = "".join(
@@ -351,7 +356,8 @@ def test_actions_are_refused_without_auth_csrf_token_or_same_origin(
     assert csrf is not None and csrf["httpOnly"] and csrf["sameSite"] == "Strict"
     Attacker.target = actions
     Attacker.fields = {**fields, "csrf": csrf["value"]}  # even with the right token
-    evil = HTTPServer(("127.0.0.1", 0), Attacker)
+    evil = ThreadingHTTPServer(("127.0.0.1", 0), Attacker)
+    evil.daemon_threads = True
     threading.Thread(target=evil.serve_forever, daemon=True).start()
     try:
         # Another port of the same host: another origin, but the same site, so the browser
@@ -363,6 +369,7 @@ def test_actions_are_refused_without_auth_csrf_token_or_same_origin(
         assert "does not come from this dashboard's origin" in text_of(browser, "#error-message")
     finally:
         evil.shutdown()
+        evil.server_close()
     with backend.Session() as s:
         info = q.get(s, "victim")
         assert info is not None and info.state.value == "dead"
