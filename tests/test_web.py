@@ -638,8 +638,13 @@ def test_process_now_and_drop_one_message(backend: Backend, client: TestClient) 
     assert post(client, {**common, "action": "process_now", "id": str(later)}).status_code == 303
     html = client.get(f"/confirm?action=drop&table=delayed_queue&queue=emails&id={gone}").text
     assert "This will change <strong>1</strong> message" in html
-    response = post(client, {**common, "action": "drop", "id": str(gone), "next": "//evil.example"})
-    assert response.headers["location"] == "/messages?table=delayed_queue&queue=emails"
+    for target in ("//evil.example", "/\\evil.example", "https://evil.example"):
+        response = post(
+            client, {**common, "action": "process_now", "id": str(later), "next": target}
+        )
+        assert response.headers["location"] == "/messages?table=delayed_queue&queue=emails"
+    response = post(client, {**common, "action": "drop", "id": str(gone)})
+    assert response.status_code == 303
     with backend.Session() as s:
         info = q.get(s, "later")
         assert info is not None and info.state.value == "due"

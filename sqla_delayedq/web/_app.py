@@ -574,7 +574,7 @@ class Dashboard:
                 self.data.invalidate()
                 log.info("dashboard: %s on %s/%s: %d changed", action, queue, info.key, changed)
                 target = str(form.get("next") or "")
-                if not target.startswith("/") or target.startswith("//"):
+                if not target.startswith("/") or target.startswith(("//", "/\\")):
                     target = "/messages?" + urlencode({"table": table, "queue": queue})
                 return RedirectResponse(self.root(request) + target, status_code=303)
             where = self._filter(form)
