@@ -9,12 +9,9 @@ allows only the dashboard's own script and stylesheet.
 
 from __future__ import annotations
 
-import base64
-import contextlib
 import hashlib
 import hmac
 import inspect
-import json
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
@@ -32,7 +29,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from .._types import MessageFilter, MessageInfo
 from ..errors import InvalidArgument
@@ -46,6 +43,8 @@ from ._data import (
     describe,
     parse_filter,
 )
+from ._render import bars, compact, human_seconds, payload_views, short, when
+from ._security import security_headers
 
 __all__ = ["Dashboard", "dashboard"]
 
@@ -61,18 +60,6 @@ STATIC = {
     "htmx.min.js": "text/javascript; charset=utf-8",
     "dashboard.css": "text/css; charset=utf-8",
 }
-CSP = (
-    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-    "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
-)
-SECURITY_HEADERS = [
-    (b"content-security-policy", CSP.encode()),
-    (b"x-content-type-options", b"nosniff"),
-    (b"x-frame-options", b"DENY"),
-    (b"referrer-policy", b"same-origin"),
-    (b"cache-control", b"no-store"),
-]
-
 Authorize = Callable[[Request], "bool | Awaitable[bool]"]
 
 
@@ -83,106 +70,6 @@ class Refused(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
-
-
-def _security_headers(app: ASGIApp) -> ASGIApp:
-    async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await app(scope, receive, send)
-            return
-
-        async def send_with_headers(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                headers = [
-                    h for h in message.get("headers", []) if h[0].lower() != b"cache-control"
-                ]
-                path = scope.get("path", "")
-                extra = SECURITY_HEADERS
-                if "/static/" in path:
-                    extra = [*SECURITY_HEADERS[:-1], (b"cache-control", b"max-age=3600")]
-                message["headers"] = headers + extra
-            await send(message)
-
-        await app(scope, receive, send_with_headers)
-
-    return wrapped
-
-
-# -- rendering helpers ----------------------------------------------------------------------
-
-
-def human_seconds(seconds: float) -> str:
-    seconds = abs(seconds)
-    if seconds < 1:
-        return f"{seconds * 1000:.0f} ms"
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    parts = []
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
-        if seconds >= size:
-            parts.append(f"{int(seconds // size)}{unit}")
-            seconds %= size
-        if len(parts) == 2:
-            break
-    return " ".join(parts)
-
-
-def when(value: datetime | None, now: datetime | None = None) -> str:
-    if value is None:
-        return "-"
-    text = value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-    if now is None:
-        return text
-    delta = (value - now).total_seconds()
-    rel = f"in {human_seconds(delta)}" if delta > 0 else f"{human_seconds(delta)} ago"
-    return f"{text} ({rel})"
-
-
-def payload_views(payload: Any) -> list[tuple[str, str]]:
-    """(label, text) views of a payload: pretty JSON, or bytes as hex and base64."""
-    if isinstance(payload, (bytes, bytearray, memoryview)):
-        raw = bytes(payload)
-        views = [("base64", base64.b64encode(raw).decode("ascii")), ("hex", raw.hex(" "))]
-        with contextlib.suppress(UnicodeDecodeError):
-            views.insert(0, ("UTF-8 text", raw.decode("utf-8")))
-        return views
-    return [("JSON", json.dumps(payload, indent=2, ensure_ascii=False, sort_keys=True))]
-
-
-def compact(payload: Any, width: int = 80) -> str:
-    if isinstance(payload, (bytes, bytearray, memoryview)):
-        text = f"{len(bytes(payload))} bytes: {bytes(payload)[:24].hex(' ')}"
-    else:
-        text = json.dumps(payload, ensure_ascii=False, sort_keys=True)
-    return text if len(text) <= width else text[: width - 1] + "…"
-
-
-def short(text: str | None, width: int = 60) -> str:
-    if not text:
-        return ""
-    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
-    return line if len(line) <= width else line[: width - 1] + "…"
-
-
-def bars(
-    processed: tuple[int, ...], failed: tuple[int, ...], width: int = 240, height: int = 40
-) -> dict[str, Any]:
-    """Rectangles of a per-minute bar chart (processed above, failed in red), for inline SVG."""
-    n = max(1, len(processed))
-    top = max([p + f for p, f in zip(processed, failed, strict=True)] or [0]) or 1
-    step = width / n
-    rects = []
-    for i, (p, f) in enumerate(zip(processed, failed, strict=True)):
-        hp = height * p / top
-        hf = height * f / top
-        x = round(i * step, 2)
-        w = round(max(step - 1, 1), 2)
-        if p:
-            rects.append({"x": x, "y": round(height - hp, 2), "w": w, "h": round(hp, 2), "c": "ok"})
-        if f:
-            y = round(height - hp - hf, 2)
-            rects.append({"x": x, "y": y, "w": w, "h": round(hf, 2), "c": "bad"})
-    return {"width": width, "height": height, "rects": rects, "top": top}
 
 
 # -- the application ------------------------------------------------------------------------
@@ -237,7 +124,7 @@ class Dashboard:
                 Exception: self._crash,
             },
         )
-        self.asgi = _security_headers(self.app)
+        self.asgi = security_headers(self.app)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.asgi(scope, receive, send)
