@@ -39,8 +39,6 @@ with warnings.catch_warnings():
 
 from sqla_delayedq.web import _data, dashboard
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-
 TOKEN = "test-token-0123456789"
 ORIGIN = "http://testserver"
 UTC = timezone.utc

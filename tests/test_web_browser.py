@@ -43,10 +43,7 @@ with warnings.catch_warnings():
 
 from sqla_delayedq.web import dashboard
 
-pytestmark = [
-    pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indirect=True),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-]
+pytestmark = pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indirect=True)
 
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = os.environ.get("DELAYEDQ_CHROMIUM", "/usr/bin/chromium")
