@@ -872,3 +872,20 @@ def test_bulk_actions_offered_are_those_that_apply_to_the_filter(
         "due": {"process_now", "drop"},
         "in_flight": {"drop"},
     }
+
+
+def test_a_missing_table_is_a_clear_503_page(tmp_path: Any) -> None:
+    from sqla_delayedq import create_engine
+
+    engine = create_engine(f"sqlite:///{tmp_path / 'empty.sqlite'}")
+    board = dashboard(engine, token=TOKEN)
+    client = client_for(board)
+    for path in ["/", "/messages?table=delayed_queue&queue=emails", "/cron", "/workers"]:
+        response = client.get(path)
+        assert response.status_code in (200, 503), path
+        if response.status_code == 503:
+            text = error_text(response.text).replace("&#39;", "'")
+            assert "no such table: delayed_queue" in text and "delayedq db upgrade" in text
+            assert str(tmp_path) not in response.text
+    assert client.get("/").status_code == 503
+    engine.dispose()

@@ -22,6 +22,7 @@ from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
+from sqlalchemy.exc import DBAPIError, ProgrammingError, SQLAlchemyError
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData
@@ -32,7 +33,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from .._types import MessageFilter, MessageInfo
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, TransientError
 from ..monitor import DEAD_AFTER_BEATS
 from ._data import (
     ACTIONS,
@@ -270,6 +271,13 @@ class Dashboard:
             return self._error(request, 404, str(exc.args[0]))
         except InvalidArgument as exc:
             return self._error(request, 400, str(exc))
+        except TransientError:
+            log.warning("dashboard: %s %s: transient database error", request.method,
+                        request.url.path, exc_info=True)  # fmt: skip
+            return self._error(request, 503, "The database is busy; reload in a moment.")
+        except SQLAlchemyError as exc:
+            log.error("dashboard: %s %s failed", request.method, request.url.path, exc_info=True)
+            return self._error(request, 503, database_problem(exc))
 
     # -- parameters ----------------------------------------------------------------------
 
@@ -564,6 +572,24 @@ class Dashboard:
             return self._error(request, 404, "No such file.")
         body = resources.files(__package__).joinpath("static", name).read_bytes()
         return Response(body, media_type=media)
+
+
+def database_problem(exc: SQLAlchemyError) -> str:
+    """What a page says about a database error: the server's complaint about the schema (a
+    missing table or column), never connection details (hosts, users, URLs)."""
+    if isinstance(exc, ProgrammingError) or (
+        isinstance(exc, DBAPIError) and "no such table" in str(exc.orig)
+    ):
+        orig = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
+        lines = [ln.strip() for ln in str(orig).splitlines() if ln.strip()]
+        detail = lines[0] if lines else type(orig).__name__
+        return (
+            f"The database refused the query: {detail}. A missing table of ours is created by "
+            "'delayedq db upgrade'; a table of yours by your own migrations."
+        )
+    return (
+        f"The database could not answer ({type(exc).__name__}); the server's log has the details."
+    )
 
 
 def dashboard(
