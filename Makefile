@@ -11,7 +11,7 @@ FULL := $(VENV)/.installed-$(EXTRAS)
 CORE := $(VENV)/.installed-core
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test lint bench dist clean
+.PHONY: help install demo test lint docs docs-serve bench dist clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "} {printf "  %-10s %s\n", $$1, $$2}'
@@ -44,6 +44,12 @@ lint: install ## ruff, mypy (strict on the package, relaxed on the tests) and th
 	$(BIN)/mypy
 	$(BIN)/python scripts/check_architecture.py
 
+docs: install ## build the documentation site into site/ in strict mode (any warning fails)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --clean
+
+docs-serve: install ## serve the documentation site on http://127.0.0.1:8000 with live reload
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
+
 bench: install ## run the benchmarks against the local servers; writes bench/results.json
 	$(BIN)/python -m bench
 
@@ -54,4 +60,4 @@ dist: install ## build the sdist and the wheel into dist/; fails on a packaging 
 	@ls -l dist
 
 clean: ## remove the virtualenv and local artefacts
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build dist dist.log *.egg-info $(DEMO_DB) $(DEMO_DB)-wal $(DEMO_DB)-shm
+	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache build dist dist.log *.egg-info $(DEMO_DB) $(DEMO_DB)-wal $(DEMO_DB)-shm

@@ -61,7 +61,13 @@ from .errors import (
 )
 from .models import DelayedMessage, QueueMessageMixin
 from .retry import ExponentialBackoff, RetryPolicy
-from .serializers import BytesSerializer, JsonSerializer, Serializer
+from .serializers import (
+    BytesSerializer,
+    DataclassSerializer,
+    JsonSerializer,
+    PydanticSerializer,
+    Serializer,
+)
 
 __version__ = "0.1.0"
 
@@ -76,6 +82,7 @@ __all__ = [
     "CronService",
     "CronTick",
     "DailySchedule",
+    "DataclassSerializer",
     "DecodeError",
     "DelayedMessage",
     "DelayedQueue",
@@ -99,6 +106,7 @@ __all__ = [
     "OfferResult",
     "Outcome",
     "PeriodicTick",
+    "PydanticSerializer",
     "QueueCounts",
     "QueueMessageMixin",
     "RetryPolicy",

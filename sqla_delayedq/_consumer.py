@@ -21,13 +21,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, NamedTuple, Protocol, TypeVar
 
 from sqlalchemy.orm import Session
 
 from ._dialects import Listener, is_transient, strategy_class
 from ._leases import LeasedQueue
 from ._types import Envelope, NackOutcome
+from ._wakeup import Wake
 from .errors import InvalidArgument, WorkerError
 
 if TYPE_CHECKING:
@@ -234,9 +235,19 @@ class Runtime(Protocol):
         """Sleep until ``timeout``, a wake-up since generation ``seen``, or a stop request."""
         ...
 
-    def notify(self, _key: str | None = None) -> None:
-        """Wake every waiting consumer (from any thread)."""
+    def notify(self, _key: str | None = None, count: int | None = None) -> None:
+        """Wake ``count`` waiting consumers, or every one when None (from any thread)."""
         ...
+
+
+class Taken(NamedTuple):
+    """What one take of a queue did."""
+
+    handled: int
+    #: It got all it asked for: more may be due now.
+    more: bool
+    #: Otherwise, seconds until the queue's next row is due (None: no row).
+    due_in: float | None
 
 
 @dataclass(frozen=True)
@@ -483,7 +494,26 @@ class BaseWorker(Generic[S]):
     def _tables(self) -> list[str]:
         return sorted({r.source.wake_key for r in self._registrations})
 
-    def _listener(self, bind: Any, wake: Callable[[str | None], None]) -> Listener | None:
+    def _wake(self, queue: str | None, count: int | None) -> None:
+        """``count`` messages were offered to ``queue``: wake as many idle consumers as it
+        takes to take them (every one when the count is unknown). From any thread."""
+        rt = self._rt
+        if rt is None:
+            return
+        if queue is None or count is None:
+            rt.notify(queue, None)
+            return
+        sizes = [self._take_size(r) for r in self._registrations if r.source.name == queue]
+        if sizes:  # another queue of the same table is not ours to take
+            rt.notify(queue, -(-count // max(sizes)))
+
+    def _take_size(self, reg: Registration) -> int:
+        """Messages one take of ``reg`` asks for."""
+        if reg.mode == "transactional":
+            return 1
+        return reg.batch or self.batch_size
+
+    def _listener(self, bind: Any, wake: Wake) -> Listener | None:
         """A started listener for offers from other processes, where the backend has one."""
         if not self.listen or bind is None:
             return None
@@ -549,26 +579,34 @@ class BaseWorker(Generic[S]):
                 continue
             if worked or rt.stopping:
                 continue
+            # Nothing more was due (or every take was partial): wait for an offer, the next due
+            # row, or the poll interval. An offer that committed during the pass has already
+            # moved the generation past ``seen``, so it is never slept through.
             timeout = self.poll_interval
             if next_due is not None:
                 timeout = max(0.0, min(timeout, next_due))
             rt.wait(seen, timeout)
 
     def _poll_all(self) -> tuple[bool, float | None]:
-        """One pass over the queues: (did work, seconds until the next due row)."""
+        """One pass over the queues: (poll again at once, seconds until the next due row).
+
+        A take that got all it asked for means more may be due: poll again (from the first
+        queue). A partial or empty take means its queue had nothing more to give at that moment
+        (rows other consumers hold are theirs): no second, empty take of it.
+        """
         next_due: float | None = None
         for reg in self._registrations:
             if self.rt.stopping:
                 return True, None
-            handled, due_in = self._once(reg)
-            if handled:
+            taken = self._once(reg)
+            if taken.more:
                 return True, None
-            if due_in is not None:
-                next_due = due_in if next_due is None else min(next_due, due_in)
+            if taken.due_in is not None:
+                next_due = min(next_due, taken.due_in) if next_due is not None else taken.due_in
         return False, next_due
 
-    def _once(self, reg: Registration) -> tuple[int, float | None]:
-        """One take of ``reg``'s queue, handled: (rows handled, seconds until the next due)."""
+    def _once(self, reg: Registration) -> Taken:
+        """One take of ``reg``'s queue, handled."""
         if reg.mode == "transactional":
             return self._transactional_once(reg)
         if reg.batch is not None:
@@ -588,15 +626,19 @@ class BaseWorker(Generic[S]):
                 hooks.redelivered(name, env)
             hooks.lag(name, (now - env.scheduled_at).total_seconds())
 
-    def _take(self, reg: Registration, n: int) -> tuple[list[Envelope[Any]], float | None]:
+    def _take(self, reg: Registration, n: int) -> tuple[list[Envelope[Any]], Taken]:
+        """Up to ``n`` envelopes; after a partial take, in the same transaction, when the next
+        row is due."""
         with self.rt.session() as s, s.begin():
             envs = reg.source.try_poll_many(s, n, lease=reg.lease)
-            return envs, (None if envs else self._idle(s, reg))
+            if len(envs) == n:
+                return envs, Taken(n, True, None)
+            return envs, Taken(len(envs), False, self._idle(s, reg))
 
-    def _lease_once(self, reg: Registration) -> tuple[int, float | None]:
-        envs, idle = self._take(reg, self.batch_size)
+    def _lease_once(self, reg: Registration) -> Taken:
+        envs, taken = self._take(reg, self.batch_size)
         if not envs:
-            return 0, idle
+            return taken
         self._in_flight.add(reg, *envs)
         for i, env in enumerate(envs):
             if self.rt.stopping:
@@ -606,7 +648,7 @@ class BaseWorker(Generic[S]):
                 break
             self._observe(reg, env)
             self._handle(reg, [env], env)
-        return len(envs), None
+        return taken
 
     def _handle(self, reg: Registration, envs: list[Envelope[Any]], arg: Any) -> None:
         """Run the handler on ``arg`` and settle ``envs`` by its outcome.
@@ -623,15 +665,15 @@ class BaseWorker(Generic[S]):
             self._succeeded(reg, envs, started)
         self._in_flight.pop(reg, *envs)
 
-    def _batch_once(self, reg: Registration) -> tuple[int, float | None]:
+    def _batch_once(self, reg: Registration) -> Taken:
         assert reg.batch is not None
-        envs, idle = self._take(reg, reg.batch)
+        envs, taken = self._take(reg, reg.batch)
         if not envs:
-            return 0, idle
+            return taken
         self._in_flight.add(reg, *envs)
         self._observe(reg, *envs)
         self._handle(reg, envs, envs)
-        return len(envs), None
+        return taken
 
     def _succeeded(self, reg: Registration, envs: list[Envelope[Any]], started: float) -> None:
         current = self._in_flight.current(reg, envs)
@@ -688,7 +730,7 @@ class BaseWorker(Generic[S]):
                 self.rt.sleep(delay)
                 delay = min(delay * 2, 2.0)
 
-    def _transactional_once(self, reg: Registration) -> tuple[int, float | None]:
+    def _transactional_once(self, reg: Registration) -> Taken:
         """Take, handle and acknowledge in one transaction (the source's ``process_one``)."""
         rt = self.rt
 
@@ -698,11 +740,11 @@ class BaseWorker(Generic[S]):
 
         with rt.session() as s, s.begin():
             if rt.stopping:
-                return 0, None
+                return Taken(0, False, None)
             started = time.monotonic()
             result = reg.source.process_one(s, handle)
             if result is None:
-                return 0, self._idle(s, reg)
+                return Taken(0, False, self._idle(s, reg))
         envelope, error, outcome = result
         # Hooks run after the commit, so they report what the database now holds.
         if error is None:
@@ -710,7 +752,7 @@ class BaseWorker(Generic[S]):
         else:
             log_failure(reg.source.name, envelope.key, envelope.attempt, error, outcome)
             self.hooks.failed(reg.source.name, envelope, error, outcome or NackOutcome.STALE)
-        return 1, None
+        return Taken(1, True, None)
 
     def _heartbeat(self) -> None:
         """Extend leases of long lease-mode handlers at half-lease, up to ``handler_timeout``."""
@@ -775,7 +817,7 @@ class BaseWorker(Generic[S]):
             before = handled
             try:
                 for reg in self._registrations:
-                    handled += self._once(reg)[0]
+                    handled += self._once(reg).handled
                     self._raise_failure()
             except Exception as exc:
                 if not retryable(exc) or errors >= PROCESS_DUE_RETRIES:

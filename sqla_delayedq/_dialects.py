@@ -49,6 +49,8 @@ from . import _statements as st
 from ._engine import Family, family, is_mariadb
 from ._rules import INSERT_COLUMNS
 from ._statements import P, Shape
+from ._wakeup import Wake
+from ._wakeup import parse as parse_wake
 from .errors import TransientError, UnsupportedBackend
 
 __all__ = [
@@ -134,10 +136,9 @@ class Strategy(abc.ABC):
         return None
 
     @classmethod
-    def listener(
-        cls, url: URL, tables: Sequence[str], wake: Callable[[str | None], None]
-    ) -> Listener | None:
-        """A listener that calls ``wake(queue)`` when another process offers to ``tables``."""
+    def listener(cls, url: URL, tables: Sequence[str], wake: Wake) -> Listener | None:
+        """A listener that calls ``wake(queue, count)`` when another process offers to
+        ``tables``."""
         return None
 
     @staticmethod
@@ -333,9 +334,7 @@ class PostgreSQLStrategy(Strategy):
             session.execute(select(*calls))
 
     @classmethod
-    def listener(
-        cls, url: URL, tables: Sequence[str], wake: Callable[[str | None], None]
-    ) -> Listener | None:
+    def listener(cls, url: URL, tables: Sequence[str], wake: Wake) -> Listener | None:
         return PgListener(url, [cls.channel(t) for t in tables], wake)
 
     def insert_rows(
@@ -542,14 +541,15 @@ class SQLiteStrategy(Strategy):
 
 
 class PgListener(Listener):
-    """A daemon thread that ``LISTEN``s on channels and calls ``wake(queue)`` per notification.
+    """A daemon thread that ``LISTEN``s on channels and calls ``wake(queue, count)`` per
+    notification (see :mod:`._wakeup` for the payload).
 
     A notification only wakes pollers early; polling stays authoritative. The listener
     reconnects with backoff when its connection drops, and wakes everyone after reconnecting in
     case notifications were lost meanwhile.
     """
 
-    def __init__(self, url: URL, channels: list[str], wake: Callable[[str | None], None]):
+    def __init__(self, url: URL, channels: list[str], wake: Wake):
         self.url = url
         self.channels = sorted(set(channels))
         self.wake = wake
@@ -585,11 +585,11 @@ class PgListener(Listener):
                 continue
             backoff = 0.1
             self.connected.set()
-            self.wake(None)  # anything sent while we were away
+            self.wake(None, None)  # anything sent while we were away: wake everyone
             try:
                 while not self._stop.is_set():
                     for note in conn.notifies(timeout=0.5):
-                        self.wake(note.payload or None)
+                        self.wake(*parse_wake(note.payload))
             except Exception as exc:
                 if not self._stop.is_set():
                     log.warning("LISTEN connection lost (%s); reconnecting", exc)

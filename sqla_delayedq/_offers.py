@@ -72,10 +72,10 @@ def message_key(key: str | None) -> str:
     return uuid.uuid4().hex if key is None else check_name(key, "key", KEY_MAX)
 
 
-def wake(q: Target, session: Session, strategy: Strategy) -> None:
-    """Wake idle consumers when the transaction commits (see :mod:`._wakeup`)."""
-    if q.notify:
-        announce(session, strategy, q.table.name, q.name)
+def wake(q: Target, session: Session, strategy: Strategy, count: int) -> None:
+    """Wake ``count`` idle consumers when the transaction commits (see :mod:`._wakeup`)."""
+    if q.notify and count:
+        announce(session, strategy, q.table.name, q.name, count)
 
 
 # -- one message -------------------------------------------------------------------------------
@@ -98,7 +98,7 @@ def offer_one(
     for _ in range(CAS_ROUNDS):
         if strategy.insert_one(session, t, row, notify=notify):
             if notify is not None:
-                announce(session, strategy, t.name, q.name, sent=True)
+                announce(session, strategy, t.name, q.name, sent=1)
             return Outcome.CREATED
         if mode is OfferMode.SKIP:
             return Outcome.IGNORED
@@ -207,8 +207,7 @@ def offer_batch(
     outcomes: list[Outcome] = [Outcome.IGNORED] * len(items)
     for keys in _batched(sorted(by_key), chunk_size(strategy)):
         _offer_chunk(q, session, strategy, keys, by_key, mode, now, outcomes)
-    if any(o is not Outcome.IGNORED for o in outcomes):
-        wake(q, session, strategy)
+    wake(q, session, strategy, sum(o is not Outcome.IGNORED for o in outcomes))
     return [OfferResult(item.key, o) for item, o in zip(items, outcomes, strict=True)]
 
 

@@ -119,7 +119,7 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         strategy = strategy_for(session)
         outcome = _offers.offer_one(self, session, strategy, key, values, when, now, mode)
         if outcome is not Outcome.IGNORED:
-            _offers.wake(self, session, strategy)
+            _offers.wake(self, session, strategy, 1)
         return OfferResult(key, outcome)
 
     @transient_as_ours

@@ -35,6 +35,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql import ColumnElement, Delete, Select, Update
+from sqlalchemy.sql.expression import ColumnClause
 from sqlalchemy.sql.visitors import InternalTraversal
 
 from ._codec import LenientJSON
@@ -204,17 +205,26 @@ def next_due(shape: Shape, queue: Any, now: Any) -> Select[Any]:
 class ArrayOf(ColumnElement[Any]):
     """PostgreSQL's ``ARRAY(subquery)``: the subquery's rows as one array value.
 
-    ``id = ANY(ARRAY(SELECT id FROM picked))`` is evaluated once, before the scan, so the
-    planner probes the primary key instead of hash-joining a sequential scan of the table.
+    ``ctid = ANY(ARRAY(SELECT ctid FROM picked))`` is evaluated once, before the scan, and a
+    condition on ``ctid`` can only be a TID scan (or, on a table of a page or two, a sequential
+    scan): the look-up of the picked rows never depends on statistics or walks an index.
     """
 
     inherit_cache = True
 
     def __init__(self, subquery: Select[Any]) -> None:
         self.subquery = subquery
-        self.type = postgresql.ARRAY(BigInteger())
+        self.type = postgresql.ARRAY(String())
 
     _traverse_internals = [("subquery", InternalTraversal.dp_clauseelement)]
+
+
+def row_tid(t: Table) -> ColumnClause[Any]:
+    """PostgreSQL's ``ctid``: where the row version is. The picked rows are locked by the same
+    statement, so it cannot move between the pick and the update that uses it; a row whose
+    newer version the statement's snapshot cannot see is left alone (taken by a later poll).
+    """
+    return column("ctid", _selectable=t)
 
 
 @compiles(ArrayOf, "postgresql")
@@ -257,7 +267,7 @@ def claim_returning(
     shape = message_shape(t)
     picked = (
         select(
-            t.c.id.label("id"),
+            row_tid(t).label("row_tid"),
             t.c.lock_token.label("prev_token"),
             t.c.scheduled_at.label("prev_scheduled_at"),
         )
@@ -269,7 +279,10 @@ def claim_returning(
     )
     return (
         update(t)
-        .where(t.c.id == picked.c.id, t.c.id == any_(ArrayOf(select(picked.c.id))))
+        .where(
+            row_tid(t) == picked.c.row_tid,
+            row_tid(t) == any_(ArrayOf(select(picked.c.row_tid))),
+        )
         .ordered_values(*take_values(shape, lease_until, prefix))
         .returning(*columns(t, TAKE_COLUMNS), picked.c.prev_token, picked.c.prev_scheduled_at)
     )
@@ -280,14 +293,13 @@ def consume_returning(t: Table, queue: Any, now: Any, limit: Any, skip_locked: b
 
     The rows come back as they were; a rollback restores them, due at once.
     """
-    picked = select(t.c.id).where(due_filter(message_shape(t), queue, now))
-    picked = picked.order_by(t.c.scheduled_at, t.c.id)
-    picked = picked.limit(limit)
+    due = due_filter(message_shape(t), queue, now)
+    order = (t.c.scheduled_at, t.c.id)
     if skip_locked:
-        picked = picked.with_for_update(skip_locked=True)
-        cond = t.c.id == any_(ArrayOf(picked))
+        picked = select(row_tid(t)).where(due).order_by(*order).limit(limit)
+        cond = row_tid(t) == any_(ArrayOf(picked.with_for_update(skip_locked=True)))
     else:
-        cond = t.c.id.in_(picked.scalar_subquery())
+        cond = t.c.id.in_(select(t.c.id).where(due).order_by(*order).limit(limit).scalar_subquery())
     return delete(t).where(cond).returning(*columns(t, TAKE_COLUMNS))
 
 

@@ -7,56 +7,90 @@ An offer records its ``(table, queue)`` in ``session.info``; when that transacti
   exactly when, and only if, the messages become visible;
 - in every process, local waiters registered with :func:`subscribe` are called after the commit.
 
+Each wake-up carries how many messages the transaction offered to the queue, and a worker wakes
+that many idle consumers, not all of them: one offer, one take. A ``NOTIFY`` payload is
+``<count>\x1f<queue>`` (:func:`payload`), or the bare queue name for one message when an insert
+carries it; the two forms never collide, so PostgreSQL does not fold one into the other.
+
 Polling stays authoritative: a lost notification only delays a message by the poll interval.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from sqlalchemy import event
 from sqlalchemy.orm import Session
 
-if TYPE_CHECKING:
-    from ._dialects import Strategy
 
-__all__ = ["announce", "notify_pending", "subscribe"]
+class Strategy(Protocol):
+    """What a wake-up needs of a backend strategy (see :mod:`._dialects`)."""
+
+    @property
+    def has_notify(self) -> bool: ...
+    def notify(self, session: Session, notes: Sequence[tuple[str, str]]) -> None: ...
+
+
+__all__ = ["announce", "notify_pending", "parse", "payload", "subscribe"]
 
 PENDING = "sqla_delayedq.wakeups"
 
-Waiter = Callable[[str], None]
+#: ``waiter(queue, count)``: ``count`` messages were offered to ``queue``.
+Waiter = Callable[[str, int], None]
+#: ``wake(queue, count)`` from a listener; ``count`` None: wake every idle consumer.
+Wake = Callable[[str | None, int | None], None]
+_SEP = "\x1f"
 _waiters: dict[str, set[Waiter]] = {}
 _lock = threading.Lock()
 
 
-def announce(
-    session: Session, strategy: Strategy, table: str, queue: str, *, sent: bool = False
-) -> None:
-    """Note that ``queue`` of ``table`` got messages in the session's current transaction.
+def payload(queue: str, count: int) -> str:
+    """The ``NOTIFY`` payload that announces ``count`` messages offered to ``queue``."""
+    return f"{count}{_SEP}{queue}"
 
-    ``sent`` says a statement of this transaction already carried the cross-process wake-up
-    (a PostgreSQL insert can piggyback ``NOTIFY`` on itself).
+
+def parse(text: str | None) -> tuple[str | None, int | None]:
+    """``(queue, count)`` of a ``NOTIFY`` payload; ``count`` is None when it does not say."""
+    if not text:
+        return None, None
+    head, sep, queue = text.partition(_SEP)
+    if sep and head.isdigit():
+        return queue, int(head)
+    return text, 1
+
+
+def announce(
+    session: Session,
+    strategy: Strategy,
+    table: str,
+    queue: str,
+    count: int = 0,
+    *,
+    sent: int = 0,
+) -> None:
+    """Note that ``count`` messages were offered to ``queue`` of ``table`` in the session's
+    current transaction.
+
+    ``sent`` says how many of them a statement of this transaction already announced to other
+    processes (a PostgreSQL insert can piggyback ``NOTIFY`` on itself).
     """
     pending: dict[tuple[str, str], list[Any]] = session.info.setdefault(PENDING, {})
-    done = sent or not strategy.has_notify
-    entry = pending.get((table, queue))
-    if entry is None:
-        pending[(table, queue)] = [strategy, done]
-    elif done:
-        entry[1] = True
+    entry = pending.setdefault((table, queue), [strategy, 0, 0])
+    entry[1] += count
+    entry[2] += sent
 
 
 def notify_pending(session: Session, table: str, queue: str) -> bool:
-    """Whether this transaction still owes ``queue`` a cross-process wake-up."""
+    """Whether no statement of this transaction has announced ``queue`` to other processes."""
     pending: dict[tuple[str, str], list[Any]] | None = session.info.get(PENDING)
     entry = None if pending is None else pending.get((table, queue))
-    return entry is None or not entry[1]
+    return entry is None or entry[2] == 0
 
 
 def subscribe(table: str, waiter: Waiter) -> Callable[[], None]:
-    """Call ``waiter(queue)`` after each local commit that offered to ``table``.
+    """Call ``waiter(queue, count)`` after each local commit that offered to ``table``.
 
     Returns a function that unsubscribes. Waiters must be quick and must not raise.
     """
@@ -76,9 +110,10 @@ def _send_notify(session: Session) -> None:
     if not pending:
         return
     by_strategy: dict[int, tuple[Strategy, list[tuple[str, str]]]] = {}
-    for key, (strategy, done) in pending.items():
-        if not done:
-            by_strategy.setdefault(id(strategy), (strategy, []))[1].append(key)
+    for (table, queue), (strategy, count, sent) in pending.items():
+        if strategy.has_notify and count > sent:
+            notes = by_strategy.setdefault(id(strategy), (strategy, []))[1]
+            notes.append((table, payload(queue, count - sent)))
     for strategy, notes in by_strategy.values():
         strategy.notify(session, notes)
 
@@ -89,9 +124,14 @@ def _wake_local(session: Session) -> None:
     if not pending:
         return
     with _lock:
-        calls = [(w, q) for t, q in pending for w in _waiters.get(t, ())]
-    for waiter, queue in calls:
-        waiter(queue)
+        calls = [
+            (w, q, entry[1])
+            for (t, q), entry in pending.items()
+            if entry[1] > 0
+            for w in _waiters.get(t, ())
+        ]
+    for waiter, queue, count in calls:
+        waiter(queue, count)
 
 
 @event.listens_for(Session, "after_rollback")

@@ -18,6 +18,7 @@ workers take, retry, extend, log, wake up and shut down by the same code.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import inspect
 import logging
@@ -273,7 +274,7 @@ class AsyncRuntime:
         self.sessions = sessions
         self._stopping = False
         self._stopped: asyncio.Future[None] = loop.create_future()
-        self._wakeup: asyncio.Future[None] | None = None
+        self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
         self._generation = 0
         self._async_of: weakref.WeakKeyDictionary[Session, AsyncSession] = (
             weakref.WeakKeyDictionary()
@@ -290,7 +291,7 @@ class AsyncRuntime:
     def _on_stop(self) -> None:
         if not self._stopped.done():
             self._stopped.set_result(None)
-        self._bump()
+        self._bump(None)
 
     async def stopped(self) -> None:
         await self._stopped
@@ -328,18 +329,27 @@ class AsyncRuntime:
     async def _wait(self, seen: int, timeout: float) -> None:
         if self._generation != seen or self._stopping:
             return
-        if self._wakeup is None:
-            self._wakeup = self.loop.create_future()
-        await asyncio.wait([self._wakeup], timeout=timeout)
+        wakeup: asyncio.Future[None] = self.loop.create_future()
+        self._waiting.append(wakeup)
+        try:
+            await asyncio.wait([wakeup], timeout=timeout)
+        finally:
+            if not wakeup.done():  # timed out or cancelled: no longer a waiter to wake
+                self._waiting.remove(wakeup)
 
-    def notify(self, _key: str | None = None) -> None:
-        self._soon(self._bump)
+    def notify(self, _key: str | None = None, count: int | None = None) -> None:
+        self._soon(lambda: self._bump(count))
 
-    def _bump(self) -> None:
+    def _bump(self, count: int | None) -> None:
+        """Wake ``count`` waiters (every one when None), oldest first."""
         self._generation += 1
-        wakeup, self._wakeup = self._wakeup, None
-        if wakeup is not None and not wakeup.done():
-            wakeup.set_result(None)
+        waiting = self._waiting
+        while waiting and (count is None or count > 0):
+            wakeup = waiting.popleft()
+            if not wakeup.done():
+                wakeup.set_result(None)
+                if count is not None:
+                    count -= 1
 
     def _soon(self, fn: Callable[[], None]) -> None:
         if not self.loop.is_closed():
@@ -382,8 +392,8 @@ class AsyncWorker(BaseWorker[async_sessionmaker[AsyncSession]]):
         if install_signal_handlers:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_stop)
-        unsubscribe = [subscribe(t, rt.notify) for t in self._tables()]
-        listener = self._listener(self.sessions.kw.get("bind"), rt.notify)
+        unsubscribe = [subscribe(t, self._wake) for t in self._tables()]
+        listener = self._listener(self.sessions.kw.get("bind"), self._wake)
         side = [asyncio.create_task(greenlet_spawn(self._run_periodic, t)) for t in self._periodic]
         if any(r.mode == "lease" for r in self._registrations):
             side.append(asyncio.create_task(greenlet_spawn(self._heartbeat)))

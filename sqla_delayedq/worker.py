@@ -78,10 +78,13 @@ class ThreadRuntime:
             if self._generation == seen and not self._stop.is_set():
                 self._cond.wait(timeout)
 
-    def notify(self, _key: str | None = None) -> None:
+    def notify(self, _key: str | None = None, count: int | None = None) -> None:
         with self._cond:
             self._generation += 1
-            self._cond.notify_all()
+            if count is None:
+                self._cond.notify_all()
+            else:
+                self._cond.notify(count)
 
 
 class Worker(BaseWorker[sessionmaker[Session]]):
@@ -124,8 +127,8 @@ class Worker(BaseWorker[sessionmaker[Session]]):
         if self._stop_requested:
             rt.request_stop()
         for table in self._tables():
-            self._cleanup.append(subscribe(table, rt.notify))
-        listener = self._listener(self.sessions.kw.get("bind"), rt.notify)
+            self._cleanup.append(subscribe(table, self._wake))
+        listener = self._listener(self.sessions.kw.get("bind"), self._wake)
         if listener is not None:
             self._cleanup.append(listener.stop)
         for task in self._periodic:

@@ -1,11 +1,10 @@
-"""Queue fixtures: an injectable clock and queues bound to each backend."""
+"""Queue fixtures: an injectable clock (:class:`sqla_delayedq.testing.ManualClock`, the helper
+users get) and queues bound to each backend."""
 
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterator
-from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -13,25 +12,10 @@ from sqlalchemy import event
 from sqlalchemy.engine import Engine
 
 from sqla_delayedq import DelayedQueue
+from sqla_delayedq.testing import ManualClock
 
-
-class FakeClock:
-    """A clock tests move by hand; thread-safe."""
-
-    def __init__(self, start: datetime | None = None) -> None:
-        self._now = start or datetime(2030, 1, 1, 12, 0, 0, 123456, tzinfo=timezone.utc)
-        self._lock = threading.Lock()
-
-    def __call__(self) -> datetime:
-        with self._lock:
-            return self._now
-
-    def advance(self, delta: timedelta | float) -> datetime:
-        if not isinstance(delta, timedelta):
-            delta = timedelta(seconds=delta)
-        with self._lock:
-            self._now += delta
-            return self._now
+#: The suite's clock is the one users get: the public testing helper.
+FakeClock = ManualClock
 
 
 @pytest.fixture

@@ -43,6 +43,8 @@ PAGES = [
     "docs/workers.md",
     "docs/cron.md",
     "docs/entity-queues.md",
+    "docs/testing.md",
+    "docs/payloads.md",
 ]
 
 FENCE = re.compile(r"^```(\S*)[ \t]*(.*?)[ \t]*$")
@@ -213,7 +215,9 @@ LINKED_PAGES = [
     "docs/cli.md",
     "docs/alembic.md",
     "docs/backends.md",
-    "docs/testing.md",
+    "docs/contributing.md",
+    "docs/recipes.md",
+    "docs/why.md",
     "docs/reference.md",
 ]
 LINK = re.compile(r"\]\(([^)\s]+)\)")

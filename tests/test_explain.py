@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 from typing import cast
 
@@ -37,3 +38,87 @@ def test_poll_uses_the_due_index_with_10000_rows(pg, make_queue, clock):
         plan = explain(conn, many)
         assert "ix_delayed_queue_due" in plan, plan
         assert "Seq Scan" not in plan, plan
+
+
+# -- the look-up of the picked rows does not depend on statistics (issue 19) -----------------
+
+
+def outer_scans(plan: str) -> list[str]:
+    """The scan nodes of the statement's own relation (the pick's copy is ``delayed_queue_1``)."""
+    return [
+        line.strip().removeprefix("->  ")
+        for line in plan.splitlines()
+        if re.search(r"Scan.* on delayed_queue\s+\(", line)
+    ]
+
+
+def take_plans(conn, now) -> dict[str, str]:
+    until = now + timedelta(minutes=5)
+    return {
+        f"{name} limit {limit}": explain(conn, stmt)
+        for limit in (1, 100)
+        for name, stmt in (
+            ("claim", st.claim_returning(T, "q", now, until, limit, "tok.")),
+            ("consume", st.consume_returning(T, "q", now, limit, True)),
+        )
+    }
+
+
+def insert_rows(conn, prefix: str, n: int) -> None:
+    conn.exec_driver_sql(
+        "INSERT INTO delayed_queue (queue, key, payload_type, payload, status, scheduled_at,"
+        " scheduled_at_initially, created_at, attempts) SELECT 'q', %(p)s || g, 'json', '{}',"
+        " 'pending', now() - interval '1 hour', now(), now(), 0 FROM generate_series(1, %(n)s) g",
+        {"p": prefix, "n": n},
+    )
+
+
+def pages(conn) -> int:
+    return conn.exec_driver_sql("SELECT pg_relation_size('delayed_queue') / 8192").scalar_one()
+
+
+def assert_picked_rows_found_by_tid(plans: dict[str, str], table_pages: int) -> None:
+    for name, plan in plans.items():
+        scans = outer_scans(plan)
+        assert scans, plan
+        for scan in scans:
+            # A TID scan; a sequential scan only of a table of a page or two (cheaper than TIDs).
+            assert scan.startswith("Tid Scan") or (
+                scan.startswith("Seq Scan") and table_pages <= 2
+            ), f"{name}: {scan}\n{plan}"
+
+
+def test_take_finds_picked_rows_by_tid_on_an_analysed_empty_table(pg, clock):
+    with pg.engine.begin() as conn:
+        conn.exec_driver_sql("ANALYZE delayed_queue")
+    with pg.engine.connect() as conn:
+        assert_picked_rows_found_by_tid(take_plans(conn, clock()), pages(conn))
+
+
+def test_take_finds_picked_rows_by_tid_on_a_bloated_table_analysed_when_nearly_empty(pg, clock):
+    """Statistics say three rows; the heap and indexes hold 100,000 dead ones (a pinned horizon)."""
+    with pg.engine.begin() as conn:
+        insert_rows(conn, "live/", 3)
+    with pg.engine.begin() as conn:
+        conn.exec_driver_sql("ANALYZE delayed_queue")
+    with pg.engine.begin() as conn:
+        insert_rows(conn, "dead/", 100_000)
+    with pg.engine.begin() as conn:
+        conn.exec_driver_sql("DELETE FROM delayed_queue WHERE key LIKE 'dead/%%'")
+    with pg.engine.connect() as conn:
+        table_pages = pages(conn)
+        assert table_pages > 100
+        plans = take_plans(conn, clock())
+        assert_picked_rows_found_by_tid(plans, table_pages)
+        assert all("Tid Scan" in plan for plan in plans.values()), plans
+
+
+def test_take_finds_picked_rows_by_tid_on_a_bloated_table_analysed_after(pg, clock):
+    with pg.engine.begin() as conn:
+        insert_rows(conn, "k/", 50_000)
+    with pg.engine.begin() as conn:
+        conn.exec_driver_sql("DELETE FROM delayed_queue WHERE key NOT LIKE 'k/1%%'")
+    with pg.engine.begin() as conn:
+        conn.exec_driver_sql("ANALYZE delayed_queue")
+    with pg.engine.connect() as conn:
+        assert_picked_rows_found_by_tid(take_plans(conn, clock()), pages(conn))

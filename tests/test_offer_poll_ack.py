@@ -278,7 +278,8 @@ def test_payload_type_is_recorded_and_checked(backend, make_queue):
         assert isinstance(DecodeError("x"), DelayedQueueError)
 
 
-def test_postgresql_notifies_once_per_committed_transaction(pg, make_queue):
+def test_postgresql_notifies_each_committed_transaction_with_its_count(pg, make_queue):
+    """The first insert carries the bare queue name (one message); the commit adds the rest."""
     import psycopg
 
     q = make_queue("notified")
@@ -295,14 +296,14 @@ def test_postgresql_notifies_once_per_committed_transaction(pg, make_queue):
             q.offer(s, "a", 1)
             q.offer(s, "b", 2)
             q.offer_batch(s, [("c", 3), ("d", 4)])
-        assert received() == ["notified"]
+        assert received() == ["notified", "3\x1fnotified"]
         with pytest.raises(RuntimeError), pg.Session() as s, s.begin():
             q.offer(s, "e", 5)
             raise RuntimeError("rolled back")
         assert received() == []
         with pg.Session() as s, s.begin():
             q.offer(s, "a", 100)  # an update also wakes consumers
-        assert received() == ["notified"]
+        assert received() == ["1\x1fnotified"]
         with pg.Session() as s, s.begin():
             q.offer(s, "a", 100)  # ignored: nothing to wake anyone for
         assert received() == []

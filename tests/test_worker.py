@@ -6,6 +6,7 @@ Handlers run on real worker threads against a real database; deliveries are coun
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import Counter
@@ -18,8 +19,12 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from sqla_delayedq import DelayedQueue, Delivery, Envelope, ExponentialBackoff, NackOutcome
-from sqla_delayedq.worker import WorkerHooks
-from tests.fix_workers import running
+from sqla_delayedq._dialects import PostgreSQLStrategy
+from sqla_delayedq._wakeup import parse as parse_wake
+from sqla_delayedq._wakeup import payload as wake_payload
+from sqla_delayedq.testing import Drained, assert_not_offered, drain, drain_async
+from sqla_delayedq.worker import Worker, WorkerHooks
+from tests.fix_workers import AsyncRunner, running
 
 MODES = ("lease", "transactional")
 DEAD = NackOutcome.DEAD
@@ -151,23 +156,37 @@ def test_a_handler_exception_is_a_nack_with_the_error_text(backend, mode, make_w
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_message_that_keeps_failing_is_dead_after_max_attempts(backend, mode, make_worker):
-    retry = ExponentialBackoff(max_attempts=3, initial=timedelta(milliseconds=10), jitter=0)
-    q: DelayedQueue[Any] = DelayedQueue("dies", retry=retry)
+@pytest.mark.parametrize("kind", ["thread", "asyncio"])
+def test_a_message_that_keeps_failing_is_dead_after_max_attempts(backend, mode, kind, clock):
+    """Retries until dead, without sleeping: the testing helpers drain the worker's own
+    ``process_due`` and move the queue's clock to each retry."""
+    retry = ExponentialBackoff(max_attempts=3, initial=timedelta(minutes=1), jitter=0)
+    q: DelayedQueue[Any] = DelayedQueue("dies", retry=retry, clock=clock)
     offer(backend, q, "bad")
     seen: list[int] = []
     hooks = RecordingHooks()
-    worker = make_worker(backend, concurrency=1, poll_interval=0.05, listen=False, hooks=hooks)
-    worker.register(q, _failing_handler(mode, seen), mode=mode)
-    with running(worker):
-        assert wait_for(lambda: len(hooks.failed_) >= 3, 10)
-        time.sleep(0.3)  # a fourth take would show now
+    handler = _failing_handler(mode, seen)
+    if kind == "thread":
+        worker = Worker(backend.Session, hooks=hooks).register(q, handler, mode=mode)
+        result = drain(worker, clock=clock)
+    else:
+        runner = AsyncRunner(backend, hooks=hooks).register(q, handler, mode=mode)
+
+        async def main() -> Drained:
+            try:
+                return await drain_async(runner.worker, clock=clock)
+            finally:
+                await runner.engine.dispose()
+
+        result = asyncio.run(main())
     assert seen == [1, 2, 3]
+    assert (result.handled, len(result.failures)) == (3, 3)
     assert [f[4] for f in hooks.failed_] == [
         NackOutcome.RETRY_SCHEDULED,
         NackOutcome.RETRY_SCHEDULED,
         NackOutcome.DEAD,
     ]
+    assert_not_offered(q, backend.engine, key="bad")
     with backend.Session() as s:
         info = q.get(s, "bad")
         counts = q.counts(s)
@@ -327,6 +346,107 @@ def test_an_idle_worker_sleeps_only_until_the_next_due_message(backend, make_wor
         offer(backend, q, "soon", at=due)
         assert wait_for(lambda: bool(handled), 5)
     assert due <= handled[0] <= offered + timedelta(seconds=1.5)
+
+
+class TakeCounter:
+    """Counts the takes a worker makes of a queue, and those that found nothing."""
+
+    def __init__(self, q: DelayedQueue[Any]) -> None:
+        self.takes = 0
+        self.empty = 0
+        self.lock = threading.Lock()
+        take = q.try_poll_many
+
+        def counted(session: Session, n: int, **kw: Any) -> list[Envelope[Any]]:
+            envelopes = take(session, n, **kw)
+            with self.lock:
+                self.takes += 1
+                self.empty += not envelopes
+            return envelopes
+
+        q.try_poll_many = counted  # type: ignore[method-assign]
+
+    def settled(self, quiet: float = 0.5) -> tuple[int, int]:
+        """(takes, empty takes) once no take happened for ``quiet`` seconds."""
+        last = (-1, -1)
+        while (self.takes, self.empty) != last:
+            last = (self.takes, self.empty)
+            time.sleep(quiet)
+        return last
+
+
+@pytest.mark.parametrize(
+    ("messages", "batch_size", "takes", "empty"), [(1, 2, 1, 0), (3, 5, 1, 0), (4, 2, 4, 2)]
+)
+def test_an_offer_wakes_as_many_idle_consumers_as_its_messages_need(
+    backend, make_worker, messages, batch_size, takes, empty
+):
+    """Not every idle consumer: the others would only find nothing (issue 19).
+
+    A partial take ends its consumer's pass; a full one (4 messages, batches of 2: two
+    consumers woken) is followed by one more take, which finds nothing.
+    """
+    q: DelayedQueue[Any] = DelayedQueue("wake-n")
+    handled: list[str] = []
+    counter = TakeCounter(q)
+    worker = make_worker(
+        backend, concurrency=4, poll_interval=30, listen=False, batch_size=batch_size
+    )
+    worker.register(q, lambda env: handled.append(env.key))
+    with running(worker):
+        before = counter.settled()  # every consumer took nothing once and sleeps for 30 s
+        assert before == (4, 4)
+        with backend.Session() as s, s.begin():
+            q.offer_batch(s, [(f"k{i}", {}) for i in range(messages)])
+        assert wait_for(lambda: len(handled) == messages, 5)
+        after = counter.settled()
+    assert sorted(handled) == [f"k{i}" for i in range(messages)]
+    assert (after[0] - before[0], after[1] - before[1]) == (takes, empty)
+
+
+def test_an_offer_to_another_queue_of_the_table_wakes_nobody(backend, make_worker):
+    mine: DelayedQueue[Any] = DelayedQueue("mine")
+    counter = TakeCounter(mine)
+    worker = make_worker(backend, concurrency=2, poll_interval=30, listen=False)
+    worker.register(mine, lambda env: None)
+    with running(worker):
+        before = counter.settled()
+        offer(backend, DelayedQueue("theirs"), "k")
+        assert counter.settled() == before
+
+
+def test_wake_payloads_carry_the_queue_and_the_count():
+    assert parse_wake(wake_payload("q", 5)) == ("q", 5)
+    assert parse_wake(wake_payload("a\x1fb", 1)) == ("a\x1fb", 1)
+    assert parse_wake("q") == ("q", 1)  # what an insert carries
+    assert parse_wake("12 q") == ("12 q", 1)
+    assert parse_wake("") == (None, None)
+    assert parse_wake(None) == (None, None)
+
+
+def test_a_notification_from_another_connection_says_how_many_messages(pg):
+    """The cross-process path: ``LISTEN`` hears each transaction's count per queue."""
+    q: DelayedQueue[Any] = DelayedQueue("heard")
+    heard: list[tuple[str | None, int | None]] = []
+    listener = PostgreSQLStrategy.listener(pg.url, ["delayed_queue"], lambda *a: heard.append(a))
+    assert listener is not None
+    listener.start()
+    try:
+        assert wait_for(listener.connected.is_set, 10)  # type: ignore[attr-defined]
+        assert wait_for(lambda: heard == [(None, None)], 5)  # connected: wake everyone once
+        with pg.Session() as s, s.begin():
+            q.offer(s, "one", {})
+        with pg.Session() as s, s.begin():
+            q.offer_batch(s, [(f"b{i}", {}) for i in range(5)])
+        with pg.Session() as s, s.begin():
+            q.offer(s, "two-a", {})
+            q.offer(s, "two-b", {})
+            q.offer(s, "two-b", {})  # the same message again: ignored, not counted
+        assert wait_for(lambda: len(heard) >= 5, 5)
+        time.sleep(0.2)
+    finally:
+        listener.stop()
+    assert heard[1:] == [("heard", 1), ("heard", 5), ("heard", 1), ("heard", 1)]
 
 
 # -- heartbeats -------------------------------------------------------------------------------

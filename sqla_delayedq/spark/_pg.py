@@ -29,6 +29,7 @@ from psycopg import sql
 from .._dialects import PostgreSQLStrategy
 from .._rules import FRESH, OFFER_RULES
 from .._types import OfferMode
+from .._wakeup import payload as wake_payload
 from ..errors import InvalidArgument
 from ._common import (
     NO_PASSWORD_HINT,
@@ -162,7 +163,8 @@ def finish_untimed(table: Sequence[str]) -> sql.Composed:
 
 
 def notify(table: Sequence[str]) -> sql.Composed:
-    return sql.SQL("SELECT pg_notify({}, q) FROM unnest(%s::text[]) AS q").format(
+    """Wake the workers of the table (one payload per queue, see :mod:`.._wakeup`)."""
+    return sql.SQL("SELECT pg_notify({}, p) FROM unnest(%s::text[]) AS p").format(
         sql.Literal(PostgreSQLStrategy.channel(table[-1]))
     )
 
@@ -217,7 +219,9 @@ class _Slice:
             self.counts.created += created
             self.counts.updated += updated
             if plan.notify and (self.counts.created or self.counts.updated):
-                self.conn.execute(notify(plan.table), [sorted(self.queues)])
+                written = self.counts.created + self.counts.updated
+                notes = [wake_payload(q, written) for q in sorted(self.queues)]
+                self.conn.execute(notify(plan.table), [notes])
         if plan.ledger is not None:
             self.conn.execute(ledger_entry(plan.ledger), (self.counts.created, self.counts.updated))
         self.conn.commit()
