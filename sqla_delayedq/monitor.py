@@ -306,12 +306,16 @@ def monitor_worker(
     """Record ``worker`` (a ``Worker`` or an ``AsyncWorker``) in the dashboard's tables.
 
     Call it before the worker starts. ``heartbeat`` is the seconds between two writes (see the
-    module docstring for their cost); ``history`` how long counters are kept.
+    module docstring for their cost); ``history`` how long counters are kept. A worker that is
+    monitored already keeps its monitor (returned), so one process never writes two rows.
     """
     if not isinstance(worker, BaseWorker):
         raise InvalidArgument(
             f"monitor_worker needs a Worker or an AsyncWorker, got {type(worker).__name__}"
         )
+    for hooks in getattr(worker.hooks, "all", ()):
+        if isinstance(hooks, WorkerMonitor):
+            return hooks  # monitored already (in your code, then by ``delayedq worker``)
     monitor = WorkerMonitor(worker, heartbeat=heartbeat, history=history, started_by=started_by)
     worker.add_hooks(monitor)
     worker.add_periodic("workers registry", monitor.beat, heartbeat, on_stop=monitor.stop)

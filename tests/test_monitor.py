@@ -169,6 +169,13 @@ def test_prune_deletes_old_counters_and_long_gone_workers(backend: Backend) -> N
     assert len(minutes) == 1 and ids == ["recent"]
 
 
+def test_a_worker_is_monitored_once(backend: Backend) -> None:
+    worker = Worker(backend.Session).register(DelayedQueue("jobs"), handler)
+    first = monitor_worker(worker, heartbeat=5)
+    assert monitor_worker(worker, heartbeat=1, started_by="cli") is first
+    assert sum(isinstance(h, type(first)) for h in worker.hooks.all) == 1  # type: ignore[attr-defined]
+
+
 def test_monitor_worker_checks_its_arguments(backend: Backend) -> None:
     worker = Worker(backend.Session)
     with pytest.raises(InvalidArgument, match="needs a Worker or an AsyncWorker"):
