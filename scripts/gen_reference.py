@@ -29,6 +29,8 @@ sys.path.insert(0, str(ROOT))
 
 import sqla_delayedq  # noqa: E402
 import sqla_delayedq.aio  # noqa: E402
+import sqla_delayedq.monitor  # noqa: E402
+import sqla_delayedq.web  # noqa: E402
 import sqla_delayedq.worker  # noqa: E402
 
 #: Objects outside ``sqla_delayedq.__all__`` that the reference covers: (import path, name).
@@ -37,6 +39,8 @@ EXTRA = [
     ("sqla_delayedq.worker", "WorkerHooks"),
     ("sqla_delayedq.aio", "AsyncQueue"),
     ("sqla_delayedq.aio", "AsyncWorker"),
+    ("sqla_delayedq.monitor", "monitor_worker"),
+    ("sqla_delayedq.web", "dashboard"),
 ]
 
 #: Section titles and order, by defining module; a module not listed gets its own name.
@@ -54,6 +58,8 @@ SECTIONS = {
     "sqla_delayedq._cron_schedules": "Cron schedules",
     "sqla_delayedq.worker": "The sync worker",
     "sqla_delayedq.aio": "asyncio",
+    "sqla_delayedq.monitor": "Workers registry",
+    "sqla_delayedq.web._app": "Web dashboard",
 }
 
 #: Undocumented methods of these classes mirror the same-named method of the given class.

@@ -8,6 +8,7 @@ from ._cli_admin import drop, requeue, reschedule, retry
 from ._cli_base import DelayedqGroup
 from ._cli_ops import cron, db, doctor
 from ._cli_read import ls, search, show, stats
+from ._cli_web import web
 from ._cli_worker import worker
 
 __all__ = ["cli"]
@@ -38,5 +39,6 @@ for command in (
     cron,
     db,
     doctor,
+    web,
 ):
     cli.add_command(command)

@@ -36,6 +36,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 
 from ._codec import RawCodec, check_name
+from ._filters import parse_field_filters
 from ._queue import DelayedQueue
 from ._types import MessageFilter, MessageInfo, State
 from .errors import DelayedQueueError, InvalidArgument
@@ -190,28 +191,10 @@ def datetime_option(*names: str, **kwargs: Any) -> Callable[[F], F]:
 
 def parse_where(items: Sequence[str]) -> dict[str, Any]:
     """``FIELD=VALUE`` pairs; values are JSON when they parse (``3345`` is an int), else strings."""
-    fields: dict[str, Any] = {}
-    for item in items:
-        name, sep, raw = item.partition("=")
-        name = name.strip()
-        if not sep or not name:
-            raise click.BadParameter(
-                f"{item!r} is not FIELD=VALUE (e.g. companyId=3345)", param_hint="'--where'"
-            )
-        try:
-            value = json.loads(raw)
-        except ValueError:
-            value = raw
-        if isinstance(value, float) and not math.isfinite(value):
-            value = raw
-        if value is None or isinstance(value, (list, dict)):
-            raise click.BadParameter(
-                f"{item!r}: only strings, numbers and booleans can be matched; "
-                f"quote the value to match it as a string: {name}='\"{raw}\"'",
-                param_hint="'--where'",
-            )
-        fields[name] = value
-    return fields
+    try:
+        return parse_field_filters(items)
+    except InvalidArgument as exc:
+        raise click.BadParameter(str(exc), param_hint="'--where'") from None
 
 
 # -- options -----------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from ._cli_base import (
     model_for,
     require_url,
 )
+from ._engine import SYNC_DRIVERS, sync_driver_url
 from ._handlers import is_async_callable
 from ._queue import DelayedQueue
 from .models import QueueMessageMixin
@@ -48,18 +49,6 @@ __all__ = [
 ]
 
 APP_ENV_VAR = "DELAYEDQ_APP"
-
-#: Asynchronous driver -> the synchronous driver the commands use on the same database.
-SYNC_DRIVERS = {
-    "sqlite+aiosqlite": "sqlite",
-    "mysql+aiomysql": "mysql+pymysql",
-    "mysql+asyncmy": "mysql+pymysql",
-    "mariadb+aiomysql": "mariadb+pymysql",
-    "mariadb+asyncmy": "mariadb+pymysql",
-    "postgresql+psycopg": "postgresql+psycopg",
-    "postgresql+psycopg_async": "postgresql+psycopg",
-    "postgresql+asyncpg": "postgresql+psycopg",
-}
 
 SHAPES = "a Worker, an AsyncWorker, or a function without arguments that returns one"
 
@@ -139,15 +128,14 @@ def article(noun: str) -> str:
 
 def sync_url(url: URL) -> URL:
     """The synchronous driver's URL for an ``AsyncWorker``'s database."""
-    driver = url.drivername if "+" in url.drivername else f"{url.drivername}+"
-    sync = SYNC_DRIVERS.get(driver)
+    sync = sync_driver_url(url)
     if sync is None:
         known = ", ".join(sorted(SYNC_DRIVERS))
         raise BadInput(
             f"cannot derive a synchronous driver from {url.drivername!r} (known: {known}); "
             "pass --url with a synchronous URL of the same database and --table"
         )
-    return url.set(drivername=sync)
+    return sync
 
 
 def _bound_engine(sessions: Any, spec: str) -> Any:

@@ -13,6 +13,9 @@ On SIGTERM or SIGINT the worker takes nothing new, lets in-flight handlers finis
 drain timeout), releases what could not finish, and exits 0; it exits 1 when it had to release
 messages of handlers that did not finish in time, and 1 with one line when the worker stopped on
 an error it must not retry (the traceback is in the log).
+
+The worker is recorded in the dashboard's workers registry and per-minute counters
+(:mod:`sqla_delayedq.monitor`) unless ``--no-monitor``; ``--heartbeat`` sets how often it writes.
 """
 
 from __future__ import annotations
@@ -195,9 +198,26 @@ async def check_tables_async(bind: Any, tables: list[Table]) -> None:
                 raise RuntimeFailure(problem)
 
 
-def run_user_worker(ctx: click.Context, target: str, worker: Any, metrics_port: int | None) -> None:
+def monitor(worker: Any, heartbeat: float, no_monitor: bool) -> None:
+    """Record the worker in the dashboard's tables (sqla_delayedq.monitor), unless told not to."""
+    if no_monitor:
+        return
+    from .monitor import monitor_worker
+
+    monitor_worker(worker, heartbeat=heartbeat, started_by="cli")
+
+
+def run_user_worker(
+    ctx: click.Context,
+    target: str,
+    worker: Any,
+    metrics_port: int | None,
+    heartbeat: float = 10.0,
+    no_monitor: bool = False,
+) -> None:
     from .worker import Worker
 
+    monitor(worker, heartbeat, no_monitor)
     app = hook_metrics(worker, target, metrics_port) if metrics_port is not None else None
     if app is not None:
         ctx.call_on_close(app.close)
@@ -264,6 +284,17 @@ def run_user_worker(ctx: click.Context, target: str, worker: Any, metrics_port: 
     help="Serve Prometheus metrics (added to a worker's own hooks).",
 )
 @click.option("--otel", is_flag=True, help="OpenTelemetry spans and metrics (quick form only).")
+@duration_option(
+    "--heartbeat",
+    default="10",
+    show_default=True,
+    help="How often the worker writes its row and counters for the dashboard.",
+)
+@click.option(
+    "--no-monitor",
+    is_flag=True,
+    help="Do not record this worker in the dashboard's tables (delayedq_workers, delayedq_stats).",
+)
 @click.option(
     "--log-level",
     type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
@@ -299,6 +330,8 @@ def worker(
     no_listen: bool,
     metrics_port: int | None,
     otel: bool,
+    heartbeat: timedelta,
+    no_monitor: bool,
     log_level: str,
     processes: int,
 ) -> None:
@@ -319,10 +352,14 @@ def worker(
         ctx.exit(run_processes(target, processes, child_args(target)))
     if is_worker(obj) or is_factory(obj):
         refuse_worker_flags(ctx, target)
+        if heartbeat <= timedelta(0):
+            raise BadInput("--heartbeat must be greater than 0")
         user_worker = as_worker(obj, target, "TARGET")
         configure_logging(ctx, log_level)
         ignore_environment(ctx, target)
-        run_user_worker(ctx, target, user_worker, metrics_port)
+        run_user_worker(
+            ctx, target, user_worker, metrics_port, heartbeat.total_seconds(), no_monitor
+        )
         return
     if is_async_callable(obj):
         raise BadInput(
@@ -365,13 +402,15 @@ def run_quick_form(
     no_listen: bool,
     metrics_port: int | None,
     otel: bool,
+    heartbeat: timedelta,
+    no_monitor: bool,
     log_level: str,
 ) -> None:
     """A Worker built from the flags, with ``fn`` on every queue named with ``-q``."""
     from .worker import Worker
 
-    if lease <= timedelta(0) or poll_interval <= timedelta(0):
-        raise BadInput("--lease and --poll-interval must be greater than 0")
+    if lease <= timedelta(0) or poll_interval <= timedelta(0) or heartbeat <= timedelta(0):
+        raise BadInput("--lease, --poll-interval and --heartbeat must be greater than 0")
     configure_logging(ctx, log_level)
     db = open_db(ctx, url, table, pool_size=concurrency + 4, max_overflow=concurrency)
     names = list(dict.fromkeys(queues))
@@ -398,6 +437,7 @@ def run_quick_form(
             retry=ExponentialBackoff(max_attempts=max_attempts),
         )
         w.register(queue, fn, mode=cast("Mode", mode), lease=lease, handler_timeout=handler_timeout)
+    monitor(w, heartbeat.total_seconds(), no_monitor)
     log.info("consuming %s with %s (%s mode)", ", ".join(names), target, mode)
     drained = w.run()
     if not drained:

@@ -24,7 +24,36 @@ import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.engine import Dialect, Engine, make_url
 
-__all__ = ["Family", "configure_sqlite", "create_engine", "family", "is_mariadb", "url_family"]
+__all__ = [
+    "SYNC_DRIVERS",
+    "Family",
+    "configure_sqlite",
+    "create_engine",
+    "family",
+    "is_mariadb",
+    "sync_driver_url",
+    "url_family",
+]
+
+#: Asynchronous driver -> the synchronous driver that reads the same database (the command line
+#: and the dashboard read an ``AsyncWorker``'s database synchronously).
+SYNC_DRIVERS = {
+    "sqlite+aiosqlite": "sqlite",
+    "mysql+aiomysql": "mysql+pymysql",
+    "mysql+asyncmy": "mysql+pymysql",
+    "mariadb+aiomysql": "mariadb+pymysql",
+    "mariadb+asyncmy": "mariadb+pymysql",
+    "postgresql+psycopg": "postgresql+psycopg",
+    "postgresql+psycopg_async": "postgresql+psycopg",
+    "postgresql+asyncpg": "postgresql+psycopg",
+}
+
+
+def sync_driver_url(url: sa.URL) -> sa.URL | None:
+    """The synchronous driver's URL for an asynchronous engine's database; None if unknown."""
+    driver = url.drivername if "+" in url.drivername else f"{url.drivername}+"
+    sync = SYNC_DRIVERS.get(driver)
+    return None if sync is None else url.set(drivername=sync)
 
 
 class Family(enum.Enum):

@@ -7,6 +7,7 @@ fields compare JSON to JSON (:class:`JsonFieldEquals`); every value is a bound p
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -16,11 +17,14 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql import ColumnElement, Select
 from sqlalchemy.sql.visitors import InternalTraversal
 
+from .errors import InvalidArgument
+
 __all__ = [
     "JsonFieldEquals",
     "KeyStartsWith",
     "count_by_state",
     "filter_clause",
+    "parse_field_filters",
     "payload_field",
     "state_clause",
 ]
@@ -208,3 +212,30 @@ def filter_clause(
     if where is not None:
         conds.append(where)
     return and_(*conds)
+
+
+def parse_field_filters(items: Sequence[str]) -> dict[str, Any]:
+    """``FIELD=VALUE`` texts (the CLI's ``--where``, the dashboard's filter) -> payload filters.
+
+    Values are JSON when they parse (``3345`` is a number, ``"3345"`` a string), else strings;
+    ``null``, lists and objects cannot be matched. Raises :class:`InvalidArgument` with the fix.
+    """
+    fields: dict[str, Any] = {}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise InvalidArgument(f"{item!r} is not FIELD=VALUE (e.g. companyId=3345)")
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = raw
+        if isinstance(value, float) and not math.isfinite(value):
+            value = raw
+        if value is None or isinstance(value, (list, dict)):
+            raise InvalidArgument(
+                f"{item!r}: only strings, numbers and booleans can be matched; "
+                f"quote the value to match it as a string: {name}='\"{raw}\"'"
+            )
+        fields[name] = value
+    return fields

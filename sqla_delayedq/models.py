@@ -25,11 +25,15 @@ from typing import Any
 from sqlalchemy import (
     BigInteger,
     CheckConstraint,
+    Column,
+    Float,
     Index,
     Integer,
     LargeBinary,
     MetaData,
+    PrimaryKeyConstraint,
     String,
+    Table,
     Text,
     UniqueConstraint,
 )
@@ -50,6 +54,8 @@ __all__ = [
     "DelayedMessage",
     "QueueMessageMixin",
     "metadata",
+    "stats_table",
+    "workers_table",
 ]
 
 KEY_MAX = 200
@@ -174,3 +180,48 @@ class DelayedMessage(QueueMessageMixin, _Base):
     """The default message table, ``delayed_queue``, created by the package's own migrations."""
 
     __tablename__ = "delayed_queue"
+
+
+#: The workers registry of :mod:`sqla_delayedq.monitor` (revision ``delayedq_0003``): one row per
+#: worker process, written by that worker only.
+workers_table = Table(
+    "delayedq_workers",
+    metadata,
+    Column("id", String(36), nullable=False),
+    Column("name", String(200), nullable=False),
+    Column("host", String(255), nullable=False),
+    Column("pid", Integer, nullable=False),
+    #: ``threads`` or ``asyncio``.
+    Column("runtime", String(16), nullable=False),
+    #: ``code`` (monitor_worker in the application) or ``cli`` (``delayedq worker``).
+    Column("started_by", String(16), nullable=False),
+    #: JSON list of ``table:queue``.
+    Column("queues", Text, nullable=False),
+    Column("concurrency", Integer, nullable=False),
+    Column("heartbeat_seconds", Float, nullable=False),
+    Column("started_at", DateTimeUTC(), nullable=False),
+    Column("heartbeat_at", DateTimeUTC(), nullable=False),
+    Column("stopped_at", DateTimeUTC(), nullable=True),
+    Column("in_flight", Integer, nullable=False, server_default="0"),
+    Column("processed", BigInteger, nullable=False, server_default="0"),
+    Column("failed", BigInteger, nullable=False, server_default="0"),
+    PrimaryKeyConstraint("id", name=conv("pk_delayedq_workers")),
+)
+
+#: Per-minute counters per worker and queue (revision ``delayedq_0003``), for the dashboard's
+#: charts; each worker adds to its own rows and prunes rows older than its history.
+stats_table = Table(
+    "delayedq_stats",
+    metadata,
+    Column("worker_id", String(36), nullable=False),
+    Column("table_name", String(100), nullable=False),
+    Column("queue", ExactString(QUEUE_MAX), nullable=False),
+    Column("minute", DateTimeUTC(), nullable=False),
+    Column("processed", Integer, nullable=False, server_default="0"),
+    Column("failed", Integer, nullable=False, server_default="0"),
+    Column("dead", Integer, nullable=False, server_default="0"),
+    PrimaryKeyConstraint(
+        "worker_id", "table_name", "queue", "minute", name=conv("pk_delayedq_stats")
+    ),
+    Index(conv("ix_delayedq_stats_minute"), "minute"),
+)

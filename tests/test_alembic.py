@@ -49,6 +49,8 @@ from tests.host_app.models import Base, Customer, OutboxMessage
 REPO = Path(__file__).resolve().parents[1]
 HOST_APP = Path(__file__).resolve().parent / "host_app"
 VERSION_TABLES = {"alembic_version", VERSION_TABLE}
+#: The tables the packaged revisions create: the message table and the dashboard's two.
+OUR_TABLES = {"delayed_queue", "delayedq_workers", "delayedq_stats"}
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -257,7 +259,7 @@ def test_packaged_revisions_in_order_build_the_mixin_table(
         assert versions(engine) == {revision}
 
     assert versions(engine, "alembic_version") == set()  # a host's version table is untouched
-    assert table_names(engine) == {"delayed_queue"}
+    assert table_names(engine) == OUR_TABLES
     assert schema_diff(engine, metadata) == []
     assert_queue_table(backend, engine, "delayed_queue")
     assert_queue_works(engine, DelayedMessage)
@@ -277,7 +279,7 @@ def test_repo_upgrade_head_then_downgrade_base(
 
     command.upgrade(config, "head")
 
-    assert table_names(engine) == {"delayed_queue"}
+    assert table_names(engine) == OUR_TABLES
     assert versions(engine) == set(ScriptDirectory.from_config(config).get_heads())
     assert schema_diff(engine, metadata) == []
     command.check(config)  # the env's own autogenerate settings agree: nothing to generate
@@ -313,7 +315,7 @@ def test_repo_migrations_run_on_the_callers_connection(
         config.attributes["connection"] = conn
         command.upgrade(config, "head")
 
-    assert table_names(engine) == {"delayed_queue"}
+    assert table_names(engine) == OUR_TABLES
     assert schema_diff(engine, metadata) == []
 
 
@@ -328,7 +330,7 @@ def test_check_ignores_a_hosts_tables_in_the_same_database(
     command.upgrade(config, "head")
 
     command.check(config)  # would propose dropping customers and outbox if it compared them
-    assert table_names(engine) == {"customers", "outbox", "delayed_queue"}
+    assert table_names(engine) == {"customers", "outbox", *OUR_TABLES}
 
 
 @pytest.mark.parametrize(
@@ -665,7 +667,7 @@ def test_host_runs_the_packaged_revisions_beside_its_own_history(
 
     command.upgrade(config, "heads")
 
-    assert table_names(engine) == {"customers", "outbox", "delayed_queue"}
+    assert table_names(engine) == {"customers", "outbox", *OUR_TABLES}
     assert versions(engine, "alembic_version") == {"0001", *ours}  # one version table: the host's
     assert versions(engine) == set()
     assert schema_diff(engine, [Base.metadata, metadata]) == []

@@ -608,7 +608,13 @@ def test_db_upgrade_and_current(fresh_database: tuple[str, URL]) -> None:
     assert f"{head} (head)" in invoke(u, "db", "current").stdout
     assert "no messages" in invoke(u, "stats").stdout
     tables = set(sa.inspect(sa.create_engine(url, poolclass=sa.NullPool)).get_table_names())
-    assert tables == {"delayed_queue", "alembic_version_sqla_delayedq"}  # not alembic_version
+    # The message table and the dashboard's two, and our own version table (not alembic_version).
+    assert tables == {
+        "delayed_queue",
+        "delayedq_workers",
+        "delayedq_stats",
+        "alembic_version_sqla_delayedq",
+    }
 
 
 def test_db_upgrade_sql_prints_the_ddl(tmp_path: Path) -> None:
@@ -627,7 +633,11 @@ def test_db_upgrade_refuses_a_table_another_history_created(tmp_path: Path) -> N
     for command in ("upgrade", "current"):
         result = invoke(url, "db", command)
         assert_one_line_error(result, 1, "table 'delayed_queue' exists", "sqla_delayedq@head")
-    assert set(sa.inspect(engine).get_table_names()) == {"delayed_queue"}
+    assert set(sa.inspect(engine).get_table_names()) == {
+        "delayed_queue",
+        "delayedq_workers",
+        "delayedq_stats",
+    }
 
 
 # -- worker ------------------------------------------------------------------------------------

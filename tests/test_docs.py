@@ -211,6 +211,9 @@ def test_reference_is_up_to_date(hash_seed: str) -> None:
 #: Pages whose links are checked: anchors must exist in every linked page that exists.
 LINKED_PAGES = [
     *PAGES,
+    "docs/dashboard.md",
+    "docs/cli.md",
+    "docs/alembic.md",
     "docs/backends.md",
     "docs/contributing.md",
     "docs/recipes.md",

@@ -1,0 +1,891 @@
+"""The dashboard (sqla_delayedq.web) through Starlette's TestClient, on every backend.
+
+Every endpoint renders; bad input (malformed filters, unknown queues and states, huge or negative
+page positions, bad limits) gets a 4xx page that says what is wrong, never a 500; no page without
+authorization; actions are POSTs that need the CSRF token, the same origin and ``actions=True``;
+payloads are escaped; bulk actions run in chunks with progress.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from click.testing import CliRunner
+from sqlalchemy import event
+
+from sqla_delayedq import DelayedQueue, ExponentialBackoff
+from sqla_delayedq.entity import EntityQueue
+from sqla_delayedq.errors import InvalidArgument
+from sqla_delayedq.models import stats_table, workers_table
+from sqla_delayedq.worker import Worker
+from tests.entity_app.models import Base as EntityBase
+from tests.entity_app.models import Order
+from tests.fix_db import Backend
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # Starlette 1.x prefers httpx2 for its TestClient
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+    from starlette.testclient import TestClient
+
+from sqla_delayedq.web import _data, dashboard
+
+TOKEN = "test-token-0123456789"
+ORIGIN = "http://testserver"
+UTC = timezone.utc
+HOSTILE = '<script>window.pwned=1</script><img src=x onerror="window.pwned=2">'
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+def queue(name: str = "emails", **kwargs: Any) -> DelayedQueue[Any]:
+    kwargs.setdefault("retry", ExponentialBackoff(max_attempts=1))
+    return DelayedQueue(name, **kwargs)
+
+
+def offer(
+    backend: Backend, q: DelayedQueue[Any], n: int, prefix: str = "k", **payload: Any
+) -> None:
+    with backend.Session() as s, s.begin():
+        for i in range(n):
+            q.offer(s, f"{prefix}/{i}", {"i": i, **payload})
+
+
+def kill(backend: Backend, q: DelayedQueue[Any], n: int, error: str = "boom") -> list[str]:
+    """Take ``n`` due messages and fail them for good (max_attempts=1): dead."""
+    keys = []
+    with backend.Session() as s, s.begin():
+        for env in q.try_poll_many(s, n):
+            q.nack(s, env, RuntimeError(error))
+            keys.append(env.key)
+    return keys
+
+
+def client_for(app: Any, *, auth: bool = True) -> TestClient:
+    headers = {"authorization": f"Bearer {TOKEN}"} if auth else {}
+    return TestClient(app, base_url=ORIGIN, headers=headers)
+
+
+def csrf_of(client: TestClient, path: str = "/") -> str:
+    response = client.get(path)
+    assert response.status_code == 200, response.text
+    token = client.cookies.get("delayedq_csrf")
+    assert token
+    return token
+
+
+def post(client: TestClient, data: dict[str, Any], **headers: str) -> Any:
+    return client.post(
+        "/actions", data=data, headers={"origin": ORIGIN, **headers}, follow_redirects=False
+    )
+
+
+def error_text(html: str) -> str:
+    found = re.search(r'id="error-message">(.*?)<', html, re.S)
+    return found.group(1) if found else ""
+
+
+def ids_in(html: str) -> list[int]:
+    return [int(i) for i in re.findall(r'<tr data-key="[^"]*" data-id="(\d+)"', html)]
+
+
+@pytest.fixture
+def app(backend: Backend) -> Iterator[Any]:
+    board = dashboard(backend.Session, token=TOKEN, actions=True, counts_ttl=0)
+    yield board
+    board.data.close()
+
+
+@pytest.fixture
+def client(app: Any) -> TestClient:
+    return client_for(app)
+
+
+# -- every endpoint ------------------------------------------------------------------------------
+
+
+def test_every_page_renders(backend: Backend, client: TestClient) -> None:
+    q = queue()
+    offer(backend, q, 5, companyId=3345)
+    offer(backend, q, 3, prefix="other", companyId=1)
+    kill(backend, q, 2)
+    message_id = ids_in(client.get("/messages?table=delayed_queue&queue=emails").text)[0]
+    base = "table=delayed_queue&queue=emails"
+    for path in [
+        "/",
+        "/fragments/overview",
+        f"/messages?{base}",
+        f"/messages?{base}&state=dead",
+        f"/messages?{base}&state=due&key_prefix=k/&where=companyId%3D3345&limit=2",
+        f"/messages?{base}&after=0&limit=500",
+        f"/message?{base}&id={message_id}",
+        f"/confirm?action=retry&{base}&state=dead",
+        f"/confirm?action=process_now&{base}&where=companyId%3D3345",
+        f"/confirm?action=drop&{base}&key_prefix=other/",
+        f"/confirm?action=drop&{base}&id={message_id}",
+        "/workers",
+        "/cron",
+        "/entities",
+        "/login",
+    ]:
+        response = client.get(path)
+        assert response.status_code == 200, (path, error_text(response.text))
+        assert "<!doctype html>" in response.text or path.startswith("/fragments")
+    js = client.get("/static/htmx.min.js")
+    assert js.status_code == 200 and js.headers["content-type"].startswith("text/javascript")
+    assert client.get("/static/dashboard.css").status_code == 200
+
+
+def test_overview_shows_counts_by_state_and_lag(backend: Backend, client: TestClient) -> None:
+    q = queue()
+    offer(backend, q, 4)
+    with backend.Session() as s, s.begin():
+        q.offer(s, "later", {"x": 1}, at=datetime.now(UTC) + timedelta(hours=1))
+    kill(backend, q, 1)
+    with backend.Session() as s, s.begin():  # one in flight, one retrying (failed once, due)
+        q2 = queue(retry=ExponentialBackoff(max_attempts=5, initial=timedelta(0), jitter=0))
+        taken = q2.try_poll_many(s, 2)
+        q2.nack(s, taken[1], RuntimeError("again"), at=datetime.now(UTC) - timedelta(seconds=1))
+    html = client.get("/").text
+    row = re.search(r'<tr data-queue="emails".*?</tr>', html, re.S)
+    assert row is not None
+    cells = dict(re.findall(r'class="n (\w+)[^"]*">(?:<a [^>]*>)?(\d+)', row.group(0)))
+    assert cells.pop("lag") in "0123456789"
+    assert cells == {
+        "due": "2",
+        "scheduled": "1",
+        "in_flight": "1",
+        "retrying": "1",
+        "dead": "1",
+        "done": "0",
+    }
+
+
+def test_overview_counts_are_one_shared_snapshot_per_ttl(backend: Backend) -> None:
+    q = queue()
+    offer(backend, q, 2)
+    board = dashboard(backend.Session, token=TOKEN, counts_ttl=3600)
+    client = client_for(board)
+    statements: list[str] = []
+    listener = lambda *args: statements.append(args[2])  # noqa: E731
+    event.listen(backend.engine, "before_cursor_execute", listener)
+    try:
+        first = client.get("/fragments/overview").text
+        assert statements  # the first viewer counts
+        offer(backend, q, 3, prefix="more")
+        before = len(statements)
+        for _ in range(5):
+            assert client.get("/fragments/overview").text.count('data-queue="emails"') == 1
+        assert len(statements) == before  # the others share its snapshot
+    finally:
+        event.remove(backend.engine, "before_cursor_execute", listener)
+    assert 'class="n due"><a' in first
+    board.data.invalidate()
+    assert ">5</a>" in client.get("/fragments/overview").text
+
+
+def test_overview_charts_read_the_per_minute_counters(backend: Backend, client: TestClient) -> None:
+    offer(backend, queue(), 1)
+    minute = datetime.now(UTC).replace(second=0, microsecond=0)
+    with backend.engine.begin() as conn:
+        for worker, processed, failed in (("w1", 30, 2), ("w2", 12, 1)):
+            conn.execute(
+                stats_table.insert().values(
+                    worker_id=worker,
+                    table_name="delayed_queue",
+                    queue="emails",
+                    minute=minute - timedelta(minutes=1),
+                    processed=processed,
+                    failed=failed,
+                    dead=0,
+                )
+            )
+    html = client.get("/").text
+    assert '<span id="processed-hour">42</span>' in html
+    assert '<span id="failed-hour">3</span>' in html
+    assert html.count('class="bad"') >= 2  # the failures drawn on the big chart and the row's
+
+
+def test_overview_without_the_dashboard_tables_says_how_to_create_them(
+    backend: Backend, client: TestClient
+) -> None:
+    offer(backend, queue(), 1)
+    with backend.engine.begin() as conn:
+        stats_table.drop(conn)
+        workers_table.drop(conn)
+    try:
+        html = client.get("/").text
+        assert "delayedq db upgrade" in html
+        assert "delayedq db upgrade" in client.get("/workers").text
+    finally:
+        with backend.engine.begin() as conn:
+            workers_table.create(conn)
+            stats_table.create(conn)
+
+
+def test_messages_filter_by_state_key_prefix_and_payload_field(
+    backend: Backend, client: TestClient
+) -> None:
+    q = queue()
+    offer(backend, q, 4, prefix="a", companyId=3345)
+    offer(backend, q, 4, prefix="b", companyId=7)
+    offer(backend, q, 2, prefix="c", companyId="3345")  # a string is not the number
+    kill(backend, q, 10)
+    base = "/messages?table=delayed_queue&queue=emails&state=dead"
+    html = client.get(f"{base}&where=companyId%3D3345").text
+    assert sorted(re.findall(r'data-key="([^"]*)"', html)) == [f"a/{i}" for i in range(4)]
+    html = client.get(f"{base}&where=companyId%3D%223345%22").text
+    assert sorted(re.findall(r'data-key="([^"]*)"', html)) == ["c/0", "c/1"]
+    html = client.get(f"{base}&key_prefix=b/&where=companyId%3D7").text
+    assert len(re.findall(r'data-key="b/', html)) == 4
+    assert "No messages match" in client.get(f"{base}&key_prefix=zzz").text
+
+
+def test_messages_are_paged_by_keyset(backend: Backend, client: TestClient) -> None:
+    offer(backend, queue(), 120)
+    seen: list[int] = []
+    path = "/messages?table=delayed_queue&queue=emails&limit=50"
+    pages = 0
+    while path:
+        html = client.get(path).text
+        seen.extend(ids_in(html))
+        pages += 1
+        found = re.search(r'<a href="([^"]+)" id="next-page">', html)
+        path = found.group(1).replace("&amp;", "&") if found else ""
+        assert "offset" not in path
+    assert pages == 3
+    assert len(seen) == 120 and seen == sorted(set(seen))
+
+
+def test_message_page_shows_payload_schedule_attempts_error_and_lock(
+    backend: Backend, client: TestClient
+) -> None:
+    q = queue(retry=ExponentialBackoff(max_attempts=3, initial=timedelta(minutes=5), jitter=0))
+    offer(backend, q, 2, nested={"a": [1, 2]})
+    with backend.Session() as s, s.begin():
+        first, second = q.try_poll_many(s, 2)
+        q.nack(s, first, RuntimeError("smtp refused\nsecond line"))
+    ids = ids_in(client.get("/messages?table=delayed_queue&queue=emails").text)
+    html = client.get(f"/message?table=delayed_queue&queue=emails&id={ids[0]}").text
+    assert "smtp refused\nsecond line" in html
+    assert "&#34;nested&#34;: {\n    &#34;a&#34;: [\n      1," in html  # pretty JSON, escaped
+    assert re.search(r"<dt>attempts</dt><dd>1</dd>", html)
+    assert "not locked" in html
+    html = client.get(f"/message?table=delayed_queue&queue=emails&id={ids[1]}").text
+    assert "in flight until" in html and second.lock_token[:12] in html
+
+
+def test_bytes_payloads_show_as_hex_and_base64(backend: Backend, client: TestClient) -> None:
+    from sqla_delayedq.serializers import BytesSerializer
+
+    q = DelayedQueue("blobs", serializer=BytesSerializer())
+    with backend.Session() as s, s.begin():
+        q.offer(s, "b", b"\x00\xffhi")
+    [id] = ids_in(client.get("/messages?table=delayed_queue&queue=blobs").text)
+    html = client.get(f"/message?table=delayed_queue&queue=blobs&id={id}").text
+    assert "00 ff 68 69" in html and "AP9oaQ==" in html
+
+
+def test_hostile_payloads_keys_and_errors_render_as_text(
+    backend: Backend, client: TestClient
+) -> None:
+    q = queue()
+    with backend.Session() as s, s.begin():
+        q.offer(s, f"key{HOSTILE}"[:200], {"html": HOSTILE, HOSTILE: 1})
+    kill(backend, q, 1, error=HOSTILE)
+    pages = [client.get("/").text, client.get("/messages?table=delayed_queue&queue=emails").text]
+    [id] = ids_in(pages[1])
+    pages.append(client.get(f"/message?table=delayed_queue&queue=emails&id={id}").text)
+    pages.append(client.get(f"/confirm?action=drop&table=delayed_queue&queue=emails&id={id}").text)
+    for html in pages:
+        assert "<script>window" not in html and "<img src=x" not in html
+    assert "&lt;script&gt;window.pwned=1&lt;/script&gt;" in pages[2]
+
+
+def test_entity_queues_show_their_states_and_columns(backend: Backend) -> None:
+    backend.engine.dispose()
+    EntityBase.metadata.drop_all(backend.engine)
+    EntityBase.metadata.create_all(backend.engine)
+    try:
+        orders = EntityQueue(Order)
+        with backend.Session() as s, s.begin():
+            for i in range(3):
+                s.add(Order(reference=f"r{i}", company_id=3345, amount_cents=100 * i))
+            s.flush()
+            orders.schedule(s, Order.reference.in_(["r0", "r1"]))
+        worker = Worker(backend.Session).register(queue(), lambda env: None)
+        worker.register(orders, lambda env: None)
+        board = dashboard(worker, token=TOKEN)
+        client = client_for(board)
+        html = client.get("/").text
+        row = re.search(r'<tr data-entity="eq_orders">.*?</tr>', html, re.S)
+        assert row is not None and ">2</td>" in row.group(0)  # due
+        html = client.get("/entities?name=eq_orders&state=idle").text
+        assert "company_id" in html and "r2" in html and "r0" not in html
+        assert client.get("/entities?name=eq_orders&state=due&limit=1").status_code == 200
+        assert client.get("/entities?name=nope").status_code == 404
+        assert client.get("/entities?name=eq_orders&state=weird").status_code == 400
+        assert client.get("/entities?name=eq_orders&after=x").status_code == 400
+        board.data.close()
+    finally:
+        EntityBase.metadata.drop_all(backend.engine)
+
+
+def test_cron_page_lists_next_ticks(backend: Backend, client: TestClient) -> None:
+    from sqla_delayedq.cron import CronConfig, PeriodicTick, install_tick
+
+    config = CronConfig("reports", PeriodicTick(timedelta(minutes=10)))
+    with backend.Session() as s, s.begin():
+        install_tick(s, DelayedQueue[Any]("cron"), config, lookahead=timedelta(hours=1))
+    html = client.get("/cron").text
+    row = re.search(r'<tr data-prefix="reports">.*?</tr>', html, re.S)
+    assert row is not None and config.config_hash in row.group(0)
+    tick = re.search(r'class="next-tick">(\d{4}-\d\d-\d\d \d\d:(\d\d):(\d\d)) UTC', row.group(0))
+    assert tick is not None and int(tick.group(2)) % 10 == 0 and tick.group(3) == "00"
+
+
+def test_workers_page_lists_running_dead_and_stopped_workers(
+    backend: Backend, client: TestClient
+) -> None:
+    now = datetime.now(UTC)
+    rows = [
+        ("running", now - timedelta(seconds=2), None),
+        ("dead", now - timedelta(seconds=60), None),
+        ("stopped", now - timedelta(seconds=60), now - timedelta(seconds=59)),
+    ]
+    with backend.engine.begin() as conn:
+        for i, (name, beat, stopped) in enumerate(rows):
+            conn.execute(
+                workers_table.insert().values(
+                    id=f"id{i}",
+                    name=name,
+                    host="h",
+                    pid=100 + i,
+                    runtime="threads",
+                    started_by="cli",
+                    queues='["delayed_queue:emails"]',
+                    concurrency=4,
+                    heartbeat_seconds=10.0,
+                    started_at=now - timedelta(hours=1),
+                    heartbeat_at=beat,
+                    stopped_at=stopped,
+                )
+            )
+    html = client.get("/workers").text
+    states = re.findall(r'data-pid="(\d+)" data-state="(\w+)"', html)
+    assert states == [("100", "running"), ("101", "dead"), ("102", "stopped")]
+    assert "delayed_queue:emails" in html and "(delayedq worker)" in html
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+BASE = "table=delayed_queue&queue=emails"
+BAD_INPUT = [
+    (f"/messages?{BASE}&state=weird", 400, "unknown state 'weird'"),
+    (f"/messages?{BASE}&where=companyId", 400, "is not FIELD=VALUE"),
+    (f"/messages?{BASE}&where=%3D5", 400, "is not FIELD=VALUE"),
+    (f"/messages?{BASE}&where=a%3Dnull", 400, "only strings, numbers and booleans"),
+    (f"/messages?{BASE}&where=a%3D%5B1%5D", 400, "only strings, numbers and booleans"),
+    (f"/messages?{BASE}&where=a%22b%3D1", 400, "quotes and backslashes"),
+    (f"/messages?{BASE}&after=-1", 400, "after must be between 0 and"),
+    (f"/messages?{BASE}&after=99999999999999999999999", 400, "after must be between 0 and"),
+    (f"/messages?{BASE}&after=abc", 400, "after must be a whole number"),
+    (f"/messages?{BASE}&limit=0", 400, "limit must be between 1 and 500"),
+    (f"/messages?{BASE}&limit=1000000", 400, "limit must be between 1 and 500"),
+    (f"/messages?{BASE}&limit=1e3", 400, "limit must be a whole number"),
+    ("/messages?table=delayed_queue&queue=nope", 404, "unknown queue 'nope'"),
+    ("/messages?table=nope&queue=emails", 404, "unknown table 'nope'"),
+    ("/messages?table=delayed_queue", 400, "missing parameter 'queue'"),
+    (f"/messages?table=delayed_queue&queue={'x' * 5000}", 404, "unknown queue"),
+    (f"/message?{BASE}&id=123456789", 404, "no message 123456789"),
+    (f"/message?{BASE}&id=-5", 400, "id must be between 0 and"),
+    (f"/message?{BASE}&id=1%27%20OR%201%3D1", 400, "id must be a whole number"),
+    (f"/message?{BASE}", 400, "missing parameter 'id'"),
+    (f"/confirm?action=explode&{BASE}", 400, "unknown action 'explode'"),
+    (f"/confirm?action=drop&{BASE}", 400, "drop needs a filter"),
+    (f"/confirm?action=retry&{BASE}&state=due", 400, "retry applies to dead messages"),
+    ("/jobs/nope", 404, "no action 'nope'"),
+    ("/fragments/jobs/nope", 404, "no action 'nope'"),
+    ("/entities?name=nope", 404, "unknown entity queue 'nope'"),
+    ("/static/..%2F_app.py", 404, "No such"),
+    ("/static/secret.txt", 404, "No such file"),
+    ("/no/such/page", 404, "No such page"),
+]
+
+
+@pytest.mark.parametrize(("path", "status", "message"), BAD_INPUT)
+def test_bad_input_gets_a_clear_error_page(
+    backend: Backend, client: TestClient, path: str, status: int, message: str
+) -> None:
+    offer(backend, queue(), 1)
+    response = client.get(path)
+    assert response.status_code == status, response.text
+    assert message in error_text(response.text).replace("&#39;", "'")
+    assert "Traceback" not in response.text
+
+
+def test_bad_posts_get_a_clear_error_page(backend: Backend, client: TestClient) -> None:
+    offer(backend, queue(), 1)
+    csrf = csrf_of(client)
+    good = {"csrf": csrf, "table": "delayed_queue", "queue": "emails"}
+    cases = [
+        ({**good, "action": "explode", "state": "dead"}, 400, "unknown action"),
+        ({**good, "action": "drop"}, 400, "drop needs a filter"),
+        ({**good, "action": "retry", "id": "12x"}, 400, "id must be a message id"),
+        ({**good, "action": "retry", "id": str(2**70)}, 400, "id must be a message id"),
+        ({**good, "action": "retry", "id": "99999"}, 404, "no message 99999"),
+        ({**good, "action": "retry", "where": "oops"}, 400, "is not FIELD=VALUE"),
+        ({**good, "action": "retry", "queue": "nope", "state": "dead"}, 404, "unknown queue"),
+        ({"csrf": csrf, "action": "retry"}, 400, "missing parameter 'table'"),
+    ]
+    for data, status, message in cases:
+        response = post(client, data)
+        assert response.status_code == status, (data, response.text)
+        assert message in error_text(response.text).replace("&#39;", "'")
+    assert client.get("/actions").status_code == 405
+
+
+# -- authorization, CSRF, headers ----------------------------------------------------------------
+
+PAGES = [
+    "/",
+    "/fragments/overview",
+    "/messages?table=delayed_queue&queue=emails",
+    "/message?table=delayed_queue&queue=emails&id=1",
+    "/confirm?action=retry&table=delayed_queue&queue=emails",
+    "/jobs/x",
+    "/workers",
+    "/cron",
+    "/entities",
+]
+
+
+def test_no_page_without_the_token(backend: Backend, app: Any) -> None:
+    offer(backend, queue(), 1)
+    anonymous = client_for(app, auth=False)
+    for path in PAGES:
+        response = anonymous.get(path)
+        assert response.status_code == 401, path
+        assert 'name="token"' in response.text and "emails" not in response.text
+    wrong = TestClient(app, base_url=ORIGIN, headers={"authorization": "Bearer nope"})
+    assert wrong.get("/").status_code == 401
+    assert anonymous.get("/?token=nope").status_code == 401
+    response = post(anonymous, {"action": "retry", "table": "delayed_queue", "queue": "emails"})
+    assert response.status_code == 401
+
+
+def test_token_in_the_url_or_the_login_form_sets_a_session_cookie(
+    backend: Backend, app: Any
+) -> None:
+    browser = client_for(app, auth=False)
+    response = browser.get(
+        f"/messages?table=delayed_queue&queue=emails&token={TOKEN}", follow_redirects=False
+    )
+    assert response.status_code == 303
+    assert response.headers["location"] == "/messages?table=delayed_queue&queue=emails"
+    assert TOKEN not in response.headers["set-cookie"]
+    assert "httponly" in response.headers["set-cookie"].lower()
+    assert "samesite=strict" in response.headers["set-cookie"].lower()
+    assert browser.get("/").status_code == 200
+    other = client_for(app, auth=False)
+    assert (
+        other.post("/login", data={"token": "bad"}, headers={"origin": ORIGIN}).status_code == 401
+    )
+    assert other.post("/login", data={"token": TOKEN}).status_code == 403  # no origin
+    response = other.post("/login", data={"token": TOKEN}, headers={"origin": ORIGIN})
+    assert response.status_code == 200 and "Queues" in response.text
+
+
+def test_authorize_hook_decides_every_page(backend: Backend) -> None:
+    async def only_admins(request: Any) -> bool:
+        return request.headers.get("x-role") == "admin"
+
+    board = dashboard(backend.Session, authorize=only_admins)
+    client = TestClient(board, base_url=ORIGIN)
+    for path in PAGES:
+        assert client.get(path).status_code == 403
+        assert client.get(path, headers={"authorization": f"Bearer {TOKEN}"}).status_code == 403
+    assert client.get("/", headers={"x-role": "admin"}).status_code == 200
+    assert client.get("/login").status_code == 404
+    sync = dashboard(backend.Session, authorize=lambda request: True)
+    assert TestClient(sync).get("/").status_code == 200
+
+
+def test_a_dashboard_needs_authorization_to_be_built(backend: Backend) -> None:
+    with pytest.raises(InvalidArgument, match="serves no page without authorization"):
+        dashboard(backend.Session)
+    with pytest.raises(InvalidArgument, match="not both"):
+        dashboard(backend.Session, token="t", authorize=lambda r: True)
+    with pytest.raises(InvalidArgument, match="needs a Worker"):
+        dashboard("sqlite://", token="t")
+
+
+def test_actions_need_the_csrf_token_and_the_same_origin(
+    backend: Backend, client: TestClient
+) -> None:
+    q = queue()
+    offer(backend, q, 1)
+    kill(backend, q, 1)
+    [id] = ids_in(client.get("/messages?table=delayed_queue&queue=emails").text)
+    csrf = csrf_of(client)
+    data = {"action": "retry", "table": "delayed_queue", "queue": "emails", "id": str(id)}
+    refused = [
+        post(client, data),
+        post(client, {**data, "csrf": "x" * 43}),
+        post(client, {**data, "csrf": csrf}, origin="http://evil.example"),
+        post(client, {**data, "csrf": csrf}, origin="null"),
+        client.post("/actions", data={**data, "csrf": csrf}, follow_redirects=False),
+    ]
+    for response in refused:
+        assert response.status_code == 403
+        assert "Refused" in error_text(response.text)
+    with backend.Session() as s:
+        assert q.get(s, "k/0").state.value == "dead"
+    by_referer = client.post(
+        "/actions",
+        data={**data, "csrf": csrf},
+        headers={"referer": f"{ORIGIN}/messages"},
+        follow_redirects=False,
+    )
+    assert by_referer.status_code == 303
+
+
+def test_read_only_unless_actions_are_enabled(backend: Backend) -> None:
+    q = queue()
+    offer(backend, q, 1)
+    kill(backend, q, 1)
+    board = dashboard(backend.Session, token=TOKEN)
+    client = client_for(board)
+    html = client.get("/messages?table=delayed_queue&queue=emails&state=dead").text
+    assert '<form method="post"' not in html and "read-only" in html
+    csrf = csrf_of(client)
+    data = {"csrf": csrf, "action": "retry", "table": "delayed_queue", "queue": "emails"}
+    response = post(client, {**data, "state": "dead"})
+    assert response.status_code == 403 and "disabled" in error_text(response.text)
+    assert client.get("/confirm?action=retry&table=delayed_queue&queue=emails").status_code == 403
+
+
+def test_every_response_carries_the_security_headers(backend: Backend, app: Any) -> None:
+    for client in (client_for(app), client_for(app, auth=False)):
+        for path in ["/", "/no/such/page", "/static/htmx.min.js", "/messages?table=x&queue=y"]:
+            headers = client.get(path).headers
+            csp = headers["content-security-policy"]
+            assert "script-src 'self'" in csp and "default-src 'none'" in csp
+            assert "unsafe-inline" not in csp and "unsafe-eval" not in csp
+            assert headers["x-frame-options"] == "DENY"
+            assert headers["x-content-type-options"] == "nosniff"
+
+
+def test_no_database_url_in_any_page(backend: Backend, client: TestClient) -> None:
+    offer(backend, queue(), 1)
+    secret_parts = {str(backend.url.database), backend.url.render_as_string(hide_password=True)}
+    for path in [*PAGES, "/messages?table=nope&queue=x"]:
+        html = client.get(path).text
+        for part in secret_parts:
+            assert part not in html
+
+
+# -- actions -------------------------------------------------------------------------------------
+
+
+def test_retry_one_dead_message_takes_it_off_the_dead_list(
+    backend: Backend, client: TestClient
+) -> None:
+    q = queue()
+    offer(backend, q, 3)
+    kill(backend, q, 3)
+    dead_list = "/messages?table=delayed_queue&queue=emails&state=dead"
+    html = client.get(dead_list).text
+    ids = ids_in(html)
+    assert len(ids) == 3
+    response = post(
+        client,
+        {
+            "csrf": csrf_of(client),
+            "action": "retry",
+            "table": "delayed_queue",
+            "queue": "emails",
+            "id": str(ids[0]),
+            "next": dead_list,
+        },
+    )
+    assert response.status_code == 303 and response.headers["location"] == dead_list
+    assert ids_in(client.get(dead_list).text) == ids[1:]
+    with backend.Session() as s:
+        assert q.counts(s).due == 1
+
+
+def test_process_now_and_drop_one_message(backend: Backend, client: TestClient) -> None:
+    q = queue()
+    with backend.Session() as s, s.begin():
+        q.offer(s, "later", {"x": 1}, at=datetime.now(UTC) + timedelta(days=1))
+        q.offer(s, "gone", {"x": 2})
+    later, gone = ids_in(client.get("/messages?table=delayed_queue&queue=emails").text)
+    csrf = csrf_of(client)
+    common = {"csrf": csrf, "table": "delayed_queue", "queue": "emails"}
+    assert post(client, {**common, "action": "process_now", "id": str(later)}).status_code == 303
+    html = client.get(f"/confirm?action=drop&table=delayed_queue&queue=emails&id={gone}").text
+    assert "This will change <strong>1</strong> message" in html
+    for target in ("//evil.example", "/\\evil.example", "https://evil.example"):
+        response = post(
+            client, {**common, "action": "process_now", "id": str(later), "next": target}
+        )
+        assert response.headers["location"] == "/messages?table=delayed_queue&queue=emails"
+    response = post(client, {**common, "action": "drop", "id": str(gone)})
+    assert response.status_code == 303
+    with backend.Session() as s:
+        info = q.get(s, "later")
+        assert info is not None and info.state.value == "due"
+        assert q.get(s, "gone") is None
+
+
+def wait_for_job(client: TestClient, location: str) -> str:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        html = client.get(location).text
+        if "Done:" in html or "Stopped" in html:
+            return html
+        time.sleep(0.05)
+    raise AssertionError("the bulk action did not finish")
+
+
+def test_bulk_retry_by_filter_confirms_the_count_and_runs_in_chunks(
+    backend: Backend, client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_data, "CHUNK", 7)
+    q = queue()
+    offer(backend, q, 30, prefix="a", companyId=3345)
+    offer(backend, q, 5, prefix="b", companyId=1)
+    kill(backend, q, 35)
+    statements: list[str] = []
+    html = client.get(
+        "/confirm?action=retry&table=delayed_queue&queue=emails&state=dead&where=companyId%3D3345"
+    ).text
+    assert "This will change <strong>30</strong> messages" in html
+
+    def count_updates(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.lstrip().upper().startswith("UPDATE"):
+            statements.append(statement)
+
+    event.listen(backend.engine, "before_cursor_execute", count_updates)
+    try:
+        response = post(
+            client,
+            {
+                "csrf": csrf_of(client),
+                "action": "retry",
+                "table": "delayed_queue",
+                "queue": "emails",
+                "state": "dead",
+                "where": "companyId=3345",
+            },
+        )
+        assert response.status_code == 303 and response.headers["location"].startswith("/jobs/")
+        html = wait_for_job(client, response.headers["location"])
+    finally:
+        event.remove(backend.engine, "before_cursor_execute", count_updates)
+    assert "Done: 30 messages changed." in html
+    assert len(statements) == 5  # 30 messages, 7 a chunk
+    fragment = client.get("/fragments" + response.headers["location"]).text
+    assert "hx-get" not in fragment  # finished: the progress stops polling
+    with backend.Session() as s:
+        assert q.counts(s).dead == 5
+
+
+def test_bulk_drop_and_process_now(backend: Backend, client: TestClient) -> None:
+    q = queue()
+    offer(backend, q, 4, prefix="a")
+    with backend.Session() as s, s.begin():
+        for i in range(3):
+            q.offer(s, f"z/{i}", {"i": i}, at=datetime.now(UTC) + timedelta(hours=1))
+    common = {"csrf": csrf_of(client), "table": "delayed_queue", "queue": "emails"}
+    response = post(client, {**common, "action": "process_now", "state": "scheduled"})
+    assert "Done: 3 messages changed." in wait_for_job(client, response.headers["location"])
+    response = post(client, {**common, "action": "drop", "key_prefix": "a/"})
+    assert "Done: 4 messages changed." in wait_for_job(client, response.headers["location"])
+    with backend.Session() as s:
+        counts = q.counts(s)
+        assert (counts.due, counts.scheduled) == (3, 0)
+
+
+# -- mounting, the command line, the import ------------------------------------------------------
+
+
+def test_mounted_under_a_path_of_the_users_app(backend: Backend) -> None:
+    offer(backend, queue(), 1)
+    board = dashboard(backend.Session, token=TOKEN, actions=True)
+    outer = Starlette(routes=[Mount("/admin/queues", app=board)])
+    client = TestClient(outer, base_url=ORIGIN, headers={"authorization": f"Bearer {TOKEN}"})
+    response = client.get("/admin/queues/")
+    assert response.status_code == 200
+    assert 'href="/admin/queues/messages?table=delayed_queue&amp;queue=emails"' in response.text
+    assert 'src="/admin/queues/static/htmx.min.js"' in response.text
+    assert "path=/admin/queues/" in response.headers["set-cookie"].lower()
+    assert client.get("/admin/queues/static/htmx.min.js").status_code == 200
+    anonymous = TestClient(outer, base_url=ORIGIN)
+    response = anonymous.get(f"/admin/queues/workers?token={TOKEN}", follow_redirects=False)
+    assert response.headers["location"] == "/admin/queues/workers"
+
+
+def test_import_sqla_delayedq_loads_no_web_code() -> None:
+    code = (
+        "import sys, sqla_delayedq, sqla_delayedq.monitor\n"
+        "bad = [m for m in sys.modules if m.startswith(('sqla_delayedq.web', 'starlette', "
+        "'jinja2', 'uvicorn', 'multipart'))]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.fixture
+def served(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, str, int, str]]:
+    from sqla_delayedq import _cli_web
+
+    calls: list[tuple[Any, str, int, str]] = []
+    monkeypatch.setattr(_cli_web, "serve", lambda *args: calls.append(args))
+    return calls
+
+
+def run_web(*args: str) -> Any:
+    from sqla_delayedq.cli import cli
+
+    return CliRunner().invoke(cli, ["web", *args], catch_exceptions=False)
+
+
+def test_delayedq_web_prints_a_random_token_once_and_never_the_url(
+    backend: Backend, served: list[Any]
+) -> None:
+    url = backend.url.render_as_string(hide_password=False)
+    result = run_web("--url", url)
+    assert result.exit_code == 0, result.output
+    [(board, host, port, root)] = served
+    assert (host, port, root) == ("127.0.0.1", 8080, "")
+    token = re.search(r"\?token=(\S+)", result.stderr)
+    assert token is not None and board.token == token.group(1)
+    assert result.stderr.count(token.group(1)) == 1
+    assert url not in result.output and str(backend.url.database) not in result.output
+    assert "read-only" in result.stderr and not board.actions
+    result = run_web("--url", url, "--token", "mine", "--allow-actions", "--port", "9000")
+    assert result.exit_code == 0 and "mine" not in result.output
+    assert served[1][0].token == "mine" and served[1][0].actions and served[1][2] == 9000
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::", "example.com"])
+def test_delayedq_web_refuses_a_public_bind_without_a_token(
+    backend: Backend, served: list[Any], host: str
+) -> None:
+    url = backend.url.render_as_string(hide_password=False)
+    result = run_web("--url", url, "--host", host)
+    assert result.exit_code == 2
+    assert "give --token" in result.stderr and not served
+    assert run_web("--url", url, "--host", host, "--token", "t").exit_code == 0
+    assert run_web("--url", url, "--host", "::1").exit_code == 0
+
+
+def test_delayedq_web_serves_the_app_of_a_worker(
+    backend: Backend, served: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DELAYEDQ_TEST_APP_URL", backend.url.render_as_string(hide_password=False))
+    result = run_web("--app", "tests.cli_app:make_two_table_worker")
+    assert result.exit_code == 0, result.output
+    [(board, *_)] = served
+    assert sorted(board.data.tables) == ["app_audit", "app_jobs"]
+    assert run_web("--app", "tests.cli_app:make_worker", "--url", "sqlite://").exit_code == 2
+
+
+def test_counts_and_pages_stay_correct_across_many_queues(
+    backend: Backend, client: TestClient
+) -> None:
+    for name in ("a", "b", "c"):
+        offer(backend, queue(name), 2)
+    html = client.get("/").text
+    assert re.findall(r'<tr data-queue="(\w+)"', html) == ["a", "b", "c"]
+
+
+def test_dashboard_reads_an_async_workers_database(backend: Backend) -> None:
+    from sqlalchemy.ext.asyncio import async_sessionmaker
+
+    from sqla_delayedq.aio import AsyncWorker, create_async_engine
+    from tests.fix_db import ASYNC_DRIVERS
+
+    offer(backend, queue(), 2)
+    engine = create_async_engine(backend.url.set(drivername=ASYNC_DRIVERS[backend.name]))
+    worker = AsyncWorker(async_sessionmaker(engine)).register(queue(), _async_handler)
+    board = dashboard(worker, token=TOKEN)
+    try:
+        html = client_for(board).get("/").text
+        assert 'data-queue="emails"' in html
+        assert isinstance(board.data.engine, sa.Engine)
+    finally:
+        board.data.close()
+
+
+async def _async_handler(envelope: Any) -> None:
+    return None
+
+
+def test_a_stale_snapshot_is_served_while_it_is_recounted(backend: Backend) -> None:
+    q = queue()
+    offer(backend, q, 2)
+    board = dashboard(backend.Session, token=TOKEN, counts_ttl=0.2)
+    client = client_for(board)
+    due = re.compile(r'class="n due"><a [^>]*>(\d+)<')
+
+    def shown() -> str:
+        found = due.search(client.get("/fragments/overview").text)
+        assert found is not None
+        return found.group(1)
+
+    assert shown() == "2"
+    offer(backend, q, 3, prefix="more")
+    time.sleep(0.3)
+    assert shown() == "2"  # served at once; the recount runs in the background
+    deadline = time.monotonic() + 10
+    while shown() != "5":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    board.data.close()
+
+
+def test_bulk_actions_offered_are_those_that_apply_to_the_filter(
+    backend: Backend, client: TestClient
+) -> None:
+    offer(backend, queue(), 1)
+    base = "/messages?table=delayed_queue&queue=emails"
+    offered = {
+        state: set(re.findall(r'id="bulk-(\w+)"', client.get(f"{base}&state={state}").text))
+        for state in ("", "dead", "due", "in_flight")
+    }
+    assert offered == {
+        "": {"retry", "process_now"},
+        "dead": {"retry", "drop"},
+        "due": {"process_now", "drop"},
+        "in_flight": {"drop"},
+    }
+
+
+def test_a_missing_table_is_a_clear_503_page(tmp_path: Any) -> None:
+    from sqla_delayedq import create_engine
+
+    engine = create_engine(f"sqlite:///{tmp_path / 'empty.sqlite'}")
+    board = dashboard(engine, token=TOKEN)
+    client = client_for(board)
+    for path in ["/", "/messages?table=delayed_queue&queue=emails", "/cron", "/workers"]:
+        response = client.get(path)
+        assert response.status_code in (200, 503), path
+        if response.status_code == 503:
+            text = error_text(response.text).replace("&#39;", "'")
+            assert "no such table: delayed_queue" in text and "delayedq db upgrade" in text
+            assert str(tmp_path) not in response.text
+    assert client.get("/").status_code == 503
+    engine.dispose()
