@@ -53,17 +53,17 @@ def consume(url: str, mode: str, workers: int, out: Path) -> None:
     queue: DelayedQueue[Any] = DelayedQueue(QUEUE)
     lock = threading.Lock()
     state: dict[str, Any] = {"done": 0, "takes": [], "empty": 0}
-    take = queue.try_poll_many
+    take = queue.poll_batch
 
     def timed(session: Any, n: int, **kw: Any) -> Any:
         started = time.perf_counter()
-        envelopes = take(session, n, **kw)
+        polled = take(session, n, **kw)
         with lock:
             state["takes"].append(time.perf_counter() - started)
-            state["empty"] += not envelopes
-        return envelopes
+            state["empty"] += not polled.envelopes
+        return polled
 
-    queue.try_poll_many = timed  # type: ignore[method-assign]
+    queue.poll_batch = timed  # type: ignore[method-assign]
 
     def handled(*_: Any) -> None:
         with lock:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, NamedTuple, Protocol, T
 from sqlalchemy.orm import Session
 
 from ._dialects import Listener, is_transient, strategy_class
-from ._leases import LeasedQueue
+from ._leases import LeasedQueue, Polled
 from ._types import Envelope, NackOutcome
 from ._wakeup import Wake
 from .errors import InvalidArgument, WorkerError
@@ -189,6 +189,9 @@ class Source(Protocol):
     def try_poll_many(
         self, session: Session, n: int, *, lease: timedelta | None = None
     ) -> list[Envelope[Any]]: ...
+    def poll_batch(
+        self, session: Session, n: int, *, lease: timedelta | None = None
+    ) -> Polled[Any]: ...
     def ack(self, session: Session, envelope: Envelope[Any]) -> bool: ...
     def ack_many(self, session: Session, envelopes: Sequence[Envelope[Any]]) -> int: ...
     def nack(
@@ -627,12 +630,12 @@ class BaseWorker(Generic[S]):
             hooks.lag(name, (now - env.scheduled_at).total_seconds())
 
     def _take(self, reg: Registration, n: int) -> tuple[list[Envelope[Any]], Taken]:
-        """Up to ``n`` envelopes; after a partial take, in the same transaction, when the next
-        row is due."""
+        """Up to ``n`` envelopes, and whether more is due now; when not, in the same
+        transaction, when the next row is due."""
         with self.rt.session() as s, s.begin():
-            envs = reg.source.try_poll_many(s, n, lease=reg.lease)
-            if len(envs) == n:
-                return envs, Taken(n, True, None)
+            envs, more = reg.source.poll_batch(s, n, lease=reg.lease)
+            if more:
+                return envs, Taken(len(envs), True, None)
             return envs, Taken(len(envs), False, self._idle(s, reg))
 
     def _lease_once(self, reg: Registration) -> Taken:

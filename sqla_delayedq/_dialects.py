@@ -97,6 +97,13 @@ class Claimed:
     prev_scheduled_at: datetime
 
 
+class Claims(NamedTuple):
+    """What a claim took, and whether more was due: the pick looks one row past ``limit``."""
+
+    claimed: list[Claimed]
+    more: bool
+
+
 class Strategy(abc.ABC):
     """Behaviour shared by all backends; subclasses override only what differs."""
 
@@ -233,18 +240,21 @@ class Strategy(abc.ABC):
         lease_until: datetime,
         limit: int,
         prefix: str,
-    ) -> list[Claimed]:
-        """Pick up to ``limit`` due rows (skipping locked ones) and take them."""
-        picked = self._due(session, t, queue, now, limit)
+    ) -> Claims:
+        """Pick up to ``limit`` due rows (skipping locked ones) and take them; the pick looks
+        at one row more, to say whether more is due."""
+        picked = self._due(session, t, queue, now, limit + 1)
         if not picked:
-            return []
+            return Claims([], False)
+        more, picked = len(picked) > limit, picked[:limit]
         ids = [r.id for r in picked]
         taken = self.take_picked(session, st.message_shape(t), ids, now, lease_until, prefix)
-        return [
+        claimed = [
             Claimed(_taken(r, lease_until, prefix), r.lock_token, r.scheduled_at)
             for r in picked
             if r.id in taken
         ]
+        return Claims(claimed, more)
 
     def take_picked(
         self,
@@ -383,14 +393,14 @@ class PostgreSQLStrategy(Strategy):
         lease_until: datetime,
         limit: int,
         prefix: str,
-    ) -> list[Claimed]:
+    ) -> Claims:
         stmt = self.cached(
             t, "claim", lambda: st.claim_returning(t, P.queue, P.now, P.until, P.limit, P.prefix)
         )
         rows = session.execute(stmt, P.take(queue, now, lease_until, limit, prefix)).all()
         claimed = [Claimed(r, r.prev_token, r.prev_scheduled_at) for r in rows]
         claimed.sort(key=lambda c: (c.prev_scheduled_at, c.row.id))
-        return claimed
+        return Claims(claimed, bool(rows) and rows[0].picked > limit)
 
     def ack_by_tokens(self, t: Table, ids: list[int], tokens: list[str]) -> Any:
         # Two array parameters instead of one per id and token: one SQL text for every size.

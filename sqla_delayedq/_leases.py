@@ -16,13 +16,13 @@ import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 from sqlalchemy.orm import Session
 
 from . import _statements as st
 from ._codec import error_text
-from ._dialects import Claimed, Strategy, strategy_for, transient_as_ours
+from ._dialects import Claimed, Claims, Strategy, strategy_for, transient_as_ours
 from ._rules import after_failure, lease_exhausted, lost_lease_error
 from ._time import Clock, require_aware, require_duration
 from ._types import Envelope, NackOutcome
@@ -42,6 +42,14 @@ def check_count(n: Any) -> int:
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise InvalidArgument(f"n must be a positive integer, got {n!r}")
     return n
+
+
+class Polled(NamedTuple, Generic[T]):
+    """What :meth:`LeasedQueue.poll_batch` took, and whether more was due."""
+
+    envelopes: list[Envelope[T]]
+    #: More rows were due than the take asked for.
+    more: bool
 
 
 class LeasedQueue(abc.ABC, Generic[T]):
@@ -76,8 +84,9 @@ class LeasedQueue(abc.ABC, Generic[T]):
         until: datetime,
         limit: int,
         prefix: str,
-    ) -> list[Claimed]:
-        """Pick up to ``limit`` due rows (skipping rows other consumers hold) and take them."""
+    ) -> Claims:
+        """Pick up to ``limit`` due rows (skipping rows other consumers hold) and take them,
+        and say whether more was due."""
 
     @abc.abstractmethod
     def _payload(self, claimed: Claimed) -> T:
@@ -109,14 +118,23 @@ class LeasedQueue(abc.ABC, Generic[T]):
         A row that cannot be delivered (its payload does not decode, or lost leases used up its
         attempts) is buried on the way and the take goes on, so it never blocks the queue.
         """
+        return self.poll_batch(session, n, lease=lease).envelopes
+
+    @transient_as_ours
+    def poll_batch(self, session: Session, n: int, *, lease: timedelta | None = None) -> Polled[T]:
+        """:meth:`try_poll_many`, and whether more rows were due than it took (a consumer that
+        got all it asked for takes again only then)."""
         check_count(n)
         lease = self.lease if lease is None else require_duration(lease, "lease")
         strategy = strategy_for(session)
         envelopes: list[Envelope[T]] = []
+        more = False
         while len(envelopes) < n:
             now = self.now()
             prefix = secrets.token_hex(12) + "."
-            claimed = self._claim(session, strategy, now, now + lease, n - len(envelopes), prefix)
+            claimed, more = self._claim(
+                session, strategy, now, now + lease, n - len(envelopes), prefix
+            )
             if not claimed:
                 break
             buried = 0
@@ -128,7 +146,7 @@ class LeasedQueue(abc.ABC, Generic[T]):
                     envelopes.append(envelope)
             if not buried:
                 break  # a short take means nothing more is due
-        return envelopes
+        return Polled(envelopes, more)
 
     def _deliver(self, session: Session, claimed: Claimed, now: datetime) -> Envelope[T] | None:
         row = claimed.row

@@ -18,7 +18,7 @@ from . import _offers
 from . import _statements as st
 from ._admin import AdminMixin
 from ._codec import Codec, check_name, error_text, verbatim
-from ._dialects import Claimed, Strategy, is_transient, strategy_for, transient_as_ours
+from ._dialects import Claimed, Claims, Strategy, is_transient, strategy_for, transient_as_ours
 from ._handlers import call_sync_handler
 from ._leases import LeasedQueue, Processed, check_count
 from ._offers import OfferInput
@@ -149,7 +149,7 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         until: datetime,
         limit: int,
         prefix: str,
-    ) -> list[Claimed]:
+    ) -> Claims:
         return strategy.claim(session, self.table, self.name, now, until, limit, prefix)
 
     def _payload(self, claimed: Claimed) -> T:

@@ -262,29 +262,42 @@ def claim_returning(
     """PostgreSQL: pick with ``SKIP LOCKED`` and take in one statement.
 
     ``RETURNING`` carries the picked row's previous lock token and due time, so delivery
-    (first or redelivery) is decided from the row as it was before the take.
+    (first or redelivery) is decided from the row as it was before the take. The pick locks one
+    row more than it takes (released at the take's commit) and ``RETURNING`` says how many it
+    found (``picked``): more than ``limit`` means more is due now, so the consumer knows whether
+    to take again without an empty take to find out.
     """
     shape = message_shape(t)
     picked = (
         select(
             row_tid(t).label("row_tid"),
+            t.c.id.label("id"),
             t.c.lock_token.label("prev_token"),
             t.c.scheduled_at.label("prev_scheduled_at"),
         )
         .where(due_filter(shape, queue, now))
         .order_by(t.c.scheduled_at, t.c.id)
-        .limit(limit)
+        .limit(limit + 1)
         .with_for_update(skip_locked=True)
         .cte("picked")
     )
+    chosen = (
+        select(picked.c.row_tid, picked.c.prev_token, picked.c.prev_scheduled_at)
+        .order_by(picked.c.prev_scheduled_at, picked.c.id)
+        .limit(limit)
+        .cte("chosen")
+    )
+    found = select(func.count()).select_from(picked).scalar_subquery().label("picked")
     return (
         update(t)
         .where(
-            row_tid(t) == picked.c.row_tid,
-            row_tid(t) == any_(ArrayOf(select(picked.c.row_tid))),
+            row_tid(t) == chosen.c.row_tid,
+            row_tid(t) == any_(ArrayOf(select(chosen.c.row_tid))),
         )
         .ordered_values(*take_values(shape, lease_until, prefix))
-        .returning(*columns(t, TAKE_COLUMNS), picked.c.prev_token, picked.c.prev_scheduled_at)
+        .returning(
+            *columns(t, TAKE_COLUMNS), chosen.c.prev_token, chosen.c.prev_scheduled_at, found
+        )
     )
 
 

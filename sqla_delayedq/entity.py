@@ -57,7 +57,7 @@ from sqlalchemy.orm.attributes import set_committed_value
 from sqlalchemy.sql import ColumnElement, Select
 
 from . import _statements as st
-from ._dialects import Claimed, Strategy, is_transient, transient_as_ours
+from ._dialects import Claimed, Claims, Strategy, is_transient, transient_as_ours
 from ._handlers import call_sync_handler
 from ._leases import LeasedQueue, Processed
 from ._time import Clock, DateTimeUTC, require_aware, require_duration, system_clock
@@ -414,13 +414,14 @@ class EntityQueue(LeasedQueue[M]):
         until: datetime,
         limit: int,
         prefix: str,
-    ) -> list[Claimed]:
+    ) -> Claims:
         """Load due entities with a locking select, then take them (the entities come back with
-        the state the take gave them)."""
-        stmt = st.select_due_entities(self.model, self.shape, now, limit, strategy.poll_lock)
+        the state the take gave them); the select looks at one more, to say whether more is due."""
+        stmt = st.select_due_entities(self.model, self.shape, now, limit + 1, strategy.poll_lock)
         picked: list[M] = list(session.scalars(stmt))
         if not picked:
-            return []
+            return Claims([], False)
+        more, picked = len(picked) > limit, picked[:limit]
         ids = [getattr(e, self._pk_key) for e in picked]
         taken = strategy.take_picked(session, self.shape, ids, now, until, prefix)
         claimed = []
@@ -434,7 +435,7 @@ class EntityQueue(LeasedQueue[M]):
             set_committed_value(entity, "queue_attempts", attempts)
             row = SimpleNamespace(id=row_id, lock_token=prefix, attempts=attempts, entity=entity)
             claimed.append(Claimed(row, prev_token, cast(datetime, prev_due)))
-        return claimed
+        return Claims(claimed, more)
 
     def _payload(self, claimed: Claimed) -> M:
         return cast(M, claimed.row.entity)

@@ -631,7 +631,7 @@ def test_process_due_takes_again_after_a_deadlocked_take(
     [order_id] = add_orders(db.Session, 1)
     with db.Session() as s, s.begin():
         queue.schedule(s, true())
-    real_take = EntityQueue.try_poll_many
+    real_take = EntityQueue.poll_batch
     takes: list[int] = []
 
     def flaky_take(self: EntityQueue[Order], session: Session, n: int, **kw: Any) -> Any:
@@ -640,7 +640,7 @@ def test_process_due_takes_again_after_a_deadlocked_take(
             raise _deadlock()
         return real_take(self, session, n, **kw)
 
-    monkeypatch.setattr(EntityQueue, "try_poll_many", flaky_take)
+    monkeypatch.setattr(EntityQueue, "poll_batch", flaky_take)
     handled: list[int] = []
 
     def handler(envelope: Envelope[Order], session: Session | None = None) -> None:
@@ -663,7 +663,7 @@ def test_process_due_gives_up_on_lasting_or_non_transient_take_errors(
         takes.append(n)
         raise errors[0]
 
-    monkeypatch.setattr(EntityQueue, "try_poll_many", failing_take)
+    monkeypatch.setattr(EntityQueue, "poll_batch", failing_take)
     worker = Worker(db.Session).register(queue, lambda env: None)
     with pytest.raises(sa.exc.OperationalError):
         worker.process_due()

@@ -355,16 +355,16 @@ class TakeCounter:
         self.takes = 0
         self.empty = 0
         self.lock = threading.Lock()
-        take = q.try_poll_many
+        take = q.poll_batch
 
-        def counted(session: Session, n: int, **kw: Any) -> list[Envelope[Any]]:
-            envelopes = take(session, n, **kw)
+        def counted(session: Session, n: int, **kw: Any) -> Any:
+            polled = take(session, n, **kw)
             with self.lock:
                 self.takes += 1
-                self.empty += not envelopes
-            return envelopes
+                self.empty += not polled.envelopes
+            return polled
 
-        q.try_poll_many = counted  # type: ignore[method-assign]
+        q.poll_batch = counted  # type: ignore[method-assign]
 
     def settled(self, quiet: float = 0.5) -> tuple[int, int]:
         """(takes, empty takes) once no take happened for ``quiet`` seconds."""
@@ -376,15 +376,17 @@ class TakeCounter:
 
 
 @pytest.mark.parametrize(
-    ("messages", "batch_size", "takes", "empty"), [(1, 2, 1, 0), (3, 5, 1, 0), (4, 2, 4, 2)]
+    ("messages", "batch_size", "takes", "empty"),
+    [(1, 1, 1, 0), (1, 2, 1, 0), (3, 5, 1, 0), (4, 2, 3, 1)],
 )
 def test_an_offer_wakes_as_many_idle_consumers_as_its_messages_need(
     backend, make_worker, messages, batch_size, takes, empty
 ):
     """Not every idle consumer: the others would only find nothing (issue 19).
 
-    A partial take ends its consumer's pass; a full one (4 messages, batches of 2: two
-    consumers woken) is followed by one more take, which finds nothing.
+    A take that found no more than it asked for ends its consumer's pass, so one message is one
+    take. With 4 messages in batches of 2, two consumers wake; whichever pick saw a third row
+    takes again, and that take may find the last two gone (at most one empty take).
     """
     q: DelayedQueue[Any] = DelayedQueue("wake-n")
     handled: list[str] = []
@@ -401,7 +403,8 @@ def test_an_offer_wakes_as_many_idle_consumers_as_its_messages_need(
         assert wait_for(lambda: len(handled) == messages, 5)
         after = counter.settled()
     assert sorted(handled) == [f"k{i}" for i in range(messages)]
-    assert (after[0] - before[0], after[1] - before[1]) == (takes, empty)
+    assert after[0] - before[0] == takes
+    assert after[1] - before[1] <= empty
 
 
 def test_an_offer_to_another_queue_of_the_table_wakes_nobody(backend, make_worker):
