@@ -263,7 +263,9 @@ def table(report: dict[str, Any]) -> str:
             lines += [
                 "",
                 f"E0: ours / the hand-written insert in the same transaction = {e0['ratio']:.2f}×;"
-                f" the offer costs {e0['marginal_cost_us_per_txn']:,.0f} µs more per transaction.",
+                f" wall time per transaction, ours minus hand-written: {e0['marginal_cost_us_per_txn']:+,.0f} µs;"
+                f" client CPU per transaction: {e0['ours']['client_cpu_us_per_msg']:,.0f} µs against"
+                f" {e0['baseline']['client_cpu_us_per_msg']:,.0f} µs.",
             ]
         lines += [
             "",
