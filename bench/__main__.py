@@ -65,6 +65,7 @@ SYSTEM_LABELS = {
 BEST_PEER_TARGET = 1.25
 CONTRACT_TARGET = 0.90
 LATENCY = ("L1", "L1X")
+ROW_LABELS = {"L1": "L1 (in-process)", "L1X": "L1X (producer in another process)"}
 L1_NOTE = (
     "in-process: the producer runs inside the worker's process and wakes it in memory; "
     "the peers are measured across processes in L1X"
@@ -257,7 +258,7 @@ def table(report: dict[str, Any]) -> str:
                     f"{_ratio(e, 'ratio_to_best_peer')} | {_ratio(e, 'ours_lease_ratio_to_best_peer')}"
                     f" | {_ratio(e, 'ratio_to_contract')} | {_ratio(e, 'ours_lease_ratio_to_contract')}"
                 )
-            lines.append(f"| {w} | {cells} | {ratios} |")
+            lines.append(f"| {ROW_LABELS.get(w, w)} | {cells} | {ratios} |")
         e0 = block["workloads"].get("E0")
         if e0:
             lines += [
@@ -279,7 +280,7 @@ def table(report: dict[str, Any]) -> str:
             for c in COLUMNS:
                 s = e.get(c) or e.get("peers", {}).get(c)
                 cpu.append(f"{s['client_cpu_us_per_msg']:,.0f}" if s and "n/a" not in s else "–")
-            lines.append(f"| {w} | {' | '.join(cpu)} |")
+            lines.append(f"| {ROW_LABELS.get(w, w)} | {' | '.join(cpu)} |")
         lines.append("")
     for backend in ("mariadb", "sqlite"):
         wl = report.get(backend, {}).get("workloads", {})
@@ -293,7 +294,7 @@ def table(report: dict[str, Any]) -> str:
         ]
         for w, e in wl.items():
             lines.append(
-                f"| {w} | {_cell(w, e, 'ours')} | {_cell(w, e, 'ours_lease')} | {_cell(w, e, 'baseline')}"
+                f"| {ROW_LABELS.get(w, w)} | {_cell(w, e, 'ours')} | {_cell(w, e, 'ours_lease')} | {_cell(w, e, 'baseline')}"
                 f" | {e['ours']['client_cpu_us_per_msg']:,.0f} |"
             )
         lines.append("")
