@@ -50,7 +50,13 @@ docs: install ## build the documentation site into site/ in strict mode (any war
 docs-serve: install ## serve the documentation site on http://127.0.0.1:8000 with live reload
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
-bench: install ## run the benchmarks against the local servers; writes bench/results.json
+BENCH := $(VENV)/.installed-bench
+
+$(BENCH): pyproject.toml $(FULL)
+	$(BIN)/python -m pip install --quiet -e ".[bench]"
+	touch $@
+
+bench: install $(BENCH) ## run the benchmarks (ours, the peers procrastinate and pgqueuer, hand-written SQL) against the local servers; writes bench/results.json
 	$(BIN)/python -m bench
 
 dist: install ## build the sdist and the wheel into dist/; fails on a packaging deprecation warning

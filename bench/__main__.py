@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ._env import Measure, fresh_database, pg_settings, truncate
-from .workloads import BASE, CONTRACT, OURS, SIZES
+from .workloads import BASE, CONTRACT, OURS, OURS_LEASE, SIZES, create_domain
 
 TARGETS = {
     "on": {"E1": 0.90, "E2": 0.60, "C1": 0.85, "C2": 0.60},
@@ -53,46 +53,128 @@ def summarise(measures: list[Measure]) -> dict[str, Any]:
     return out
 
 
+SYSTEM_LABELS = {
+    "ours": "sqla_delayedq",
+    "ours_lease": "sqla_delayedq (lease mode)",
+    "procrastinate": "procrastinate",
+    "pgqueuer": "pgqueuer",
+    "baseline": "hand-written baseline",
+    "contract": "same-contract reference",
+}
+#: Issue 15's targets: ours against the best peer and against the same-contract reference.
+BEST_PEER_TARGET = 1.25
+CONTRACT_TARGET = 0.90
+LATENCY = ("L1", "L1X")
+ROW_LABELS = {"L1": "L1 (in-process)", "L1X": "L1X (producer in another process)"}
+L1_NOTE = (
+    "in-process: the producer runs inside the worker's process and wakes it in memory; "
+    "the peers are measured across processes in L1X"
+)
+
+
+def systems_for(w: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """The systems that run workload ``w`` on PostgreSQL, and those that cannot (with why)."""
+    from .latency import L1X
+    from .peers import NOT_EXPRESSIBLE, PEERS
+
+    if w == "L1X":
+        return dict(L1X), {}
+    run: dict[str, Any] = {"ours": OURS[w]}
+    if w in OURS_LEASE:
+        run["ours_lease"] = OURS_LEASE[w]
+    for peer, fns in PEERS.items():
+        if w in fns:
+            run[peer] = fns[w]
+    run["baseline"] = BASE[w]
+    if w in CONTRACT:
+        run["contract"] = CONTRACT[w]
+    na: dict[str, str] = {}
+    for peer in PEERS:
+        if peer not in run:
+            na[peer] = L1_NOTE if w == "L1" else NOT_EXPRESSIBLE[peer].get(w, "not measured")
+    return run, na
+
+
+def compare(w: str, sync: str, summaries: dict[str, Any], na: dict[str, str]) -> dict[str, Any]:
+    """Ratios of ours (each mode) to the best peer, to the reference and to the baseline."""
+    from .peers import PEERS
+
+    entry: dict[str, Any] = {}
+    peers = {p: summaries[p] for p in PEERS if p in summaries}
+    entry["peers"] = {**peers, **{p: {"n/a": why} for p, why in na.items()}}
+    ours_modes = [k for k in ("ours", "ours_lease") if k in summaries]
+    if w in LATENCY:
+        for k in ours_modes:
+            entry[f"{k}_p99_ms"] = summaries[k]["p99_ms"]
+        if peers:
+            best = min(peers, key=lambda p: peers[p]["p99_ms"])
+            entry["best_peer"] = best
+            for k in ours_modes:
+                # Below 1: ours starts handlers sooner than the best peer at p99.
+                entry[f"{k}_p99_over_best_peer"] = summaries[k]["p99_ms"] / peers[best]["p99_ms"]
+        if w == "L1":
+            entry["note"] = L1_NOTE
+        return entry
+    ours = summaries["ours"]["rate_median"]
+    base = summaries["baseline"]["rate_median"]
+    entry["ratio"] = ours / base
+    if w in TARGETS[sync]:
+        entry["target_ratio"] = TARGETS[sync][w]  # issue 9's, against the baseline
+        entry["meets_target"] = entry["ratio"] >= TARGETS[sync][w]
+    if w == "E0":
+        # What the offer costs a transaction beyond a hand-written insert of the same row.
+        entry["marginal_cost_us_per_txn"] = 1e6 / ours - 1e6 / base
+    if "contract" in summaries:
+        c = summaries["contract"]["rate_median"]
+        entry["contract_ratio"] = c / base
+    if peers:
+        best = max(peers, key=lambda p: peers[p]["rate_median"])
+        entry["best_peer"] = best
+    for k in ours_modes:
+        mine = summaries[k]["rate_median"]
+        prefix = "" if k == "ours" else "ours_lease_"
+        if peers:
+            r = entry[f"{prefix}ratio_to_best_peer"] = mine / peers[best]["rate_median"]
+            entry[f"{prefix}meets_best_peer_target"] = r >= BEST_PEER_TARGET
+        if "contract" in summaries:
+            r = entry[f"{prefix}ratio_to_contract"] = mine / summaries["contract"]["rate_median"]
+            entry[f"{prefix}meets_contract_target"] = r >= CONTRACT_TARGET
+    return entry
+
+
 def run_postgresql(
     workloads: list[str], runs: int, scale: float, sync: str, tmp: Path
 ) -> dict[str, Any]:
+    from . import peers
+
     results: dict[str, Any] = {}
     with fresh_database("postgresql", tmp, sync_commit_off=(sync == "off")) as url:
         settings = pg_settings(url)
+        peers.install(url)
+        create_domain(url)
         for w in workloads:
             n = max(100, int(SIZES[w] * scale))
-            ours: list[Measure] = []
-            base: list[Measure] = []
-            contract: list[Measure] = []
+            systems, na = systems_for(w)
+            measures: dict[str, list[Measure]] = {label: [] for label in systems}
             for r in range(runs):
-                order = [("ours", OURS[w], ours), ("base", BASE[w], base)]
-                if w in CONTRACT:
-                    order.append(("contract", CONTRACT[w], contract))
+                order = list(systems.items())
                 # Rotate, so each system runs first, second and last in turn.
                 order = order[r % len(order) :] + order[: r % len(order)]
-                for label, fn, sink in order:
+                for label, fn in order:
                     truncate(url)
+                    peers.truncate(url)
                     m = fn(url, "postgresql", n)
-                    sink.append(m)
+                    measures[label].append(m)
                     print(
                         f"  postgresql sync={sync} {w} run {r + 1} {label}: {m.rate:,.0f} msg/s"
+                        f" cpu={m.client_cpu / m.messages * 1e6:,.0f}us/msg"
                         + "".join(f" {k}={v:.2f}" for k, v in m.extra.items()),
                         flush=True,
                     )
-            o, b = summarise(ours), summarise(base)
-            entry: dict[str, Any] = {"messages": n, "ours": o, "baseline": b}
-            if w == "L1":
-                entry["p99_ms"] = o["p99_ms"]
-                entry["target_p99_ms"] = L1_P99_TARGET_MS
-                entry["meets_target"] = o["p99_ms"] <= L1_P99_TARGET_MS
-            else:
-                entry["ratio"] = o["rate_median"] / b["rate_median"]
-                entry["target_ratio"] = TARGETS[sync][w]
-                entry["meets_target"] = entry["ratio"] >= TARGETS[sync][w]
-                if contract:
-                    c = entry["contract"] = summarise(contract)
-                    entry["contract_ratio"] = c["rate_median"] / b["rate_median"]
-                    entry["ratio_to_contract"] = o["rate_median"] / c["rate_median"]
+            summaries = {label: summarise(ms) for label, ms in measures.items()}
+            entry: dict[str, Any] = {"messages": n}
+            entry.update({k: v for k, v in summaries.items() if k not in peers.PEERS})
+            entry.update(compare(w, sync, summaries, na))
             results[w] = entry
     return {"settings": settings, "workloads": results}
 
@@ -102,57 +184,120 @@ def run_ours_only(
 ) -> dict[str, Any]:
     results: dict[str, Any] = {}
     with fresh_database(backend, tmp) as url:
+        create_domain(url)
         for w in workloads:
+            if w == "L1X":
+                continue  # cross-process wake-up is LISTEN/NOTIFY: PostgreSQL only
             n = max(100, int(SIZES[w] * scale))
-            measures = []
+            systems = {"ours": OURS[w]}
+            if w in OURS_LEASE:
+                systems["ours_lease"] = OURS_LEASE[w]
+            if w == "E0":
+                systems["baseline"] = BASE[w]
+            measures: dict[str, list[Measure]] = {label: [] for label in systems}
             for r in range(runs):
-                truncate(url)
-                m = OURS[w](url, backend, n)
-                measures.append(m)
-                print(
-                    f"  {backend} {w} run {r + 1}: {m.rate:,.0f} msg/s"
-                    + "".join(f" {k}={v:.2f}" for k, v in m.extra.items()),
-                    flush=True,
-                )
-            results[w] = {"messages": n, "ours": summarise(measures)}
+                for label, fn in systems.items():
+                    truncate(url)
+                    m = fn(url, backend, n)
+                    measures[label].append(m)
+                    print(
+                        f"  {backend} {w} run {r + 1} {label}: {m.rate:,.0f} msg/s"
+                        f" cpu={m.client_cpu / m.messages * 1e6:,.0f}us/msg"
+                        + "".join(f" {k}={v:.2f}" for k, v in m.extra.items()),
+                        flush=True,
+                    )
+            entry: dict[str, Any] = {"messages": n}
+            entry.update({label: summarise(ms) for label, ms in measures.items()})
+            if w == "E0":
+                ours, base = entry["ours"]["rate_median"], entry["baseline"]["rate_median"]
+                entry["ratio"] = ours / base
+                entry["marginal_cost_us_per_txn"] = 1e6 / ours - 1e6 / base
+            results[w] = entry
     return {"workloads": results}
 
 
+COLUMNS = ("ours", "ours_lease", "procrastinate", "pgqueuer", "baseline", "contract")
+
+
+def _cell(w: str, e: dict[str, Any], label: str) -> str:
+    s = e.get(label) or e.get("peers", {}).get(label)
+    if s is None:
+        return "–"
+    if "n/a" in s:
+        return "n/a"
+    if w in LATENCY:
+        return f"{s['p50_ms']:.1f} / {s['p95_ms']:.1f} / {s['p99_ms']:.1f} ms"
+    return f"{s['rate_median']:,.0f} ({s['rate_min']:,.0f}–{s['rate_max']:,.0f})"
+
+
+def _ratio(e: dict[str, Any], key: str) -> str:
+    return f"{e[key]:.2f}×" if key in e else "–"
+
+
 def table(report: dict[str, Any]) -> str:
-    lines = [
-        "| backend | sync commit | workload | sqla_delayedq msg/s (min–max) | baseline msg/s | ratio | target | met | same-contract psycopg msg/s (its ratio) |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    """Throughput (msg/s, median and min to max) or latency (p50 / p95 / p99), then CPU."""
+    head = " | ".join(SYSTEM_LABELS[c] for c in COLUMNS)
+    lines: list[str] = []
     for key, block in report["postgresql"].items():
+        lines += [
+            f"PostgreSQL, synchronous_commit={key}",
+            "",
+            f"| workload | {head} | ours / best peer | lease / best peer | ours / reference | lease / reference |",
+            "|---|" + "---|" * (len(COLUMNS) + 4),
+        ]
         for w, e in block["workloads"].items():
-            o, b = e["ours"], e["baseline"]
-            if w == "L1":
-                ours_cell = (
-                    f"p50 {o['p50_ms']:.2f} / p95 {o['p95_ms']:.2f} / p99 {o['p99_ms']:.2f} ms"
+            cells = " | ".join(_cell(w, e, c) for c in COLUMNS)
+            if w in LATENCY:
+                ratios = (
+                    f"p99 {_ratio(e, 'ours_p99_over_best_peer')} | p99 {_ratio(e, 'ours_lease_p99_over_best_peer')} | – | –"
+                    if "best_peer" in e
+                    else "– | – | – | –"
                 )
-                base_cell = f"p99 {b['p99_ms']:.2f} ms"
-                lines.append(
-                    f"| postgresql | {key} | L1 | {ours_cell} | {base_cell} | – | p99 ≤ 5 ms | {'yes' if e['meets_target'] else 'NO'} | – |"
+            else:
+                ratios = (
+                    f"{_ratio(e, 'ratio_to_best_peer')} | {_ratio(e, 'ours_lease_ratio_to_best_peer')}"
+                    f" | {_ratio(e, 'ratio_to_contract')} | {_ratio(e, 'ours_lease_ratio_to_contract')}"
                 )
-                continue
-            lines.append(
-                f"| postgresql | {key} | {w} | {o['rate_median']:,.0f} ({o['rate_min']:,.0f}–{o['rate_max']:,.0f}) "
-                f"| {b['rate_median']:,.0f} | {e['ratio']:.2f} | ≥ {e['target_ratio']:.2f} | {'yes' if e['meets_target'] else 'NO'} "
-                + (
-                    f"| {e['contract']['rate_median']:,.0f} ({e['contract_ratio']:.2f}) |"
-                    if "contract" in e
-                    else "| – |"
-                )
-            )
+            lines.append(f"| {ROW_LABELS.get(w, w)} | {cells} | {ratios} |")
+        e0 = block["workloads"].get("E0")
+        if e0:
+            lines += [
+                "",
+                f"E0: ours / the hand-written insert in the same transaction = {e0['ratio']:.2f}×;"
+                f" wall time per transaction, ours minus hand-written: {e0['marginal_cost_us_per_txn']:+,.0f} µs;"
+                f" client CPU per transaction: {e0['ours']['client_cpu_us_per_msg']:,.0f} µs against"
+                f" {e0['baseline']['client_cpu_us_per_msg']:,.0f} µs.",
+            ]
+        lines += [
+            "",
+            f"Client CPU per message (µs), synchronous_commit={key}",
+            "",
+            f"| workload | {head} |",
+            "|---|" + "---|" * len(COLUMNS),
+        ]
+        for w, e in block["workloads"].items():
+            cpu = []
+            for c in COLUMNS:
+                s = e.get(c) or e.get("peers", {}).get(c)
+                cpu.append(f"{s['client_cpu_us_per_msg']:,.0f}" if s and "n/a" not in s else "–")
+            lines.append(f"| {ROW_LABELS.get(w, w)} | {' | '.join(cpu)} |")
+        lines.append("")
     for backend in ("mariadb", "sqlite"):
-        for w, e in report.get(backend, {}).get("workloads", {}).items():
-            o = e["ours"]
-            cell = (
-                f"p50 {o['p50_ms']:.2f} / p99 {o['p99_ms']:.2f} ms"
-                if w == "L1"
-                else f"{o['rate_median']:,.0f} ({o['rate_min']:,.0f}–{o['rate_max']:,.0f})"
+        wl = report.get(backend, {}).get("workloads", {})
+        if not wl:
+            continue
+        lines += [
+            f"{backend} (sqla_delayedq only)",
+            "",
+            "| workload | sqla_delayedq | lease mode | hand-written (E0) | client CPU µs/msg |",
+            "|---|---|---|---|---|",
+        ]
+        for w, e in wl.items():
+            lines.append(
+                f"| {ROW_LABELS.get(w, w)} | {_cell(w, e, 'ours')} | {_cell(w, e, 'ours_lease')} | {_cell(w, e, 'baseline')}"
+                f" | {e['ours']['client_cpu_us_per_msg']:,.0f} |"
             )
-            lines.append(f"| {backend} | default | {w} | {cell} | – | – | – | – | – |")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -164,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--scale", type=float, default=1.0, help="fraction of the standard sizes")
-    parser.add_argument("--only", default="E1,E2,C1,C2,L1")
+    parser.add_argument("--only", default="E0,E1,E2,C1,C2,L1,L1X")
     parser.add_argument("--backends", default="postgresql,mariadb,sqlite")
     parser.add_argument("--sync-commit", choices=["on", "off", "both"], default="both")
     parser.add_argument("--output", default=str(Path(__file__).with_name("results.json")))

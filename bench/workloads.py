@@ -24,10 +24,12 @@ from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+import sqlalchemy as sa
 from sqlalchemy.engine import URL
 from sqlalchemy.orm import sessionmaker
 
 from sqla_delayedq import DelayedQueue, create_engine
+from sqla_delayedq.models import metadata
 from sqla_delayedq.worker import Worker
 
 from ._env import Measure, Meter
@@ -62,6 +64,78 @@ def _wait_for(counter: Callable[[], int], n: int, timeout: float) -> None:
         time.sleep(0.002)
     if counter() < n:
         raise RuntimeError(f"only {counter()} of {n} messages handled in {timeout} s")
+
+
+# -- E0: the marginal cost of an offer in the caller's own transaction ---------------------------
+
+#: The domain row a user's transaction writes beside the message (E0).
+DOMAIN = sa.Table(
+    "bench_orders",
+    sa.MetaData(),
+    sa.Column("id", sa.Integer, primary_key=True),
+    sa.Column("customer", sa.String(100), nullable=False),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+)
+
+
+def create_domain(url: URL) -> None:
+    engine = create_engine(url)
+    DOMAIN.metadata.create_all(engine)
+    engine.dispose()
+
+
+def _e0(
+    url: URL, backend: str, n: int, offer: Callable[[Any, DelayedQueue, int], object]
+) -> Measure:
+    """``n`` transactions, each a Core insert of one domain row then ``offer(session, q, i)``."""
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(DOMAIN.delete())
+    sessions = sessionmaker(engine)
+    q = DelayedQueue(QUEUE)
+    insert = DOMAIN.insert()
+
+    def one(i: int) -> None:
+        with sessions.begin() as s:
+            s.execute(insert, {"customer": f"c{i}", "created_at": datetime.now(timezone.utc)})
+            offer(s, q, i)
+
+    one(-1)  # connect and warm the statement caches outside the timing
+    with Meter(backend) as m:
+        for i in range(n):
+            one(i)
+    engine.dispose()
+    return m.result(n)
+
+
+def ours_e0(url: URL, backend: str, n: int) -> Measure:
+    """The domain row and ``q.offer(s, key, payload)`` in one Session transaction."""
+    return _e0(url, backend, n, lambda s, q, i: q.offer(s, f"e0-{i}", payload(i)))
+
+
+def hand_e0(url: URL, backend: str, n: int) -> Measure:
+    """The same transaction with the message row written by hand: a Core ``INSERT`` into the
+    queue table with every column the schema needs, as a user without the library would."""
+    table = metadata.tables["delayed_queue"]
+
+    def offer(s: Any, q: DelayedQueue, i: int) -> None:
+        now = datetime.now(timezone.utc)
+        s.execute(
+            table.insert(),
+            {
+                "queue": QUEUE,
+                "key": f"e0-{i}",
+                "payload_type": "json",
+                "payload": payload(i),
+                "status": "pending",
+                "scheduled_at": now,
+                "scheduled_at_initially": now,
+                "created_at": now,
+                "attempts": 0,
+            },
+        )
+
+    return _e0(url, backend, n, offer)
 
 
 # -- E1: one message per transaction --------------------------------------------------------
@@ -148,6 +222,24 @@ def ours_c1(url: URL, backend: str, n: int, consumers: int = 4) -> Measure:
     done: list[int] = []
     worker = Worker(sessions, concurrency=consumers, poll_interval=0.05, listen=False)
     worker.register(q, lambda env, session: done.append(1), mode="transactional")
+    with Meter(backend) as m:
+        worker.start()
+        _wait_for(lambda: len(done), n, 600)
+    worker.stop(5)
+    engine.dispose()
+    return m.result(n)
+
+
+def ours_c1_lease(url: URL, backend: str, n: int, consumers: int = 4) -> Measure:
+    """Take and ack per message in lease mode (``batch_size=1``, the worker's default): the take
+    commits, the handler runs outside any transaction, the ack commits."""
+    _fill(url, n)
+    engine = create_engine(url, pool_size=consumers + 2)
+    sessions = sessionmaker(engine)
+    q = DelayedQueue(QUEUE)
+    done: list[int] = []
+    worker = Worker(sessions, concurrency=consumers, poll_interval=0.05, listen=False)
+    worker.register(q, lambda env: done.append(1), mode="lease")
     with Meter(backend) as m:
         worker.start()
         _wait_for(lambda: len(done), n, 600)
@@ -419,7 +511,17 @@ def contract_c2(url: URL, backend: str, n: int, consumers: int = 4, batch: int =
     return _drain(url, backend, n, consumers, take, autocommit=False)
 
 
+#: Our other mode, measured beside ``OURS`` where it applies (``ours_lease`` in results.json).
+OURS_LEASE = {"C1": ours_c1_lease}
 CONTRACT = {"E1": contract_e1, "E2": contract_e2, "C1": contract_c1, "C2": contract_c2}
-OURS = {"E1": ours_e1, "E2": ours_e2, "C1": ours_c1, "C2": ours_c2, "L1": ours_l1}
-BASE = {"E1": base_e1, "E2": base_e2, "C1": base_c1, "C2": base_c2, "L1": base_l1}
-SIZES = {"E1": 5_000, "E2": 100_000, "C1": 20_000, "C2": 100_000, "L1": 2_000}
+OURS = {"E0": ours_e0, "E1": ours_e1, "E2": ours_e2, "C1": ours_c1, "C2": ours_c2, "L1": ours_l1}
+BASE = {"E0": hand_e0, "E1": base_e1, "E2": base_e2, "C1": base_c1, "C2": base_c2, "L1": base_l1}
+SIZES = {
+    "E0": 3_000,
+    "L1X": 2_000,
+    "E1": 5_000,
+    "E2": 100_000,
+    "C1": 20_000,
+    "C2": 100_000,
+    "L1": 2_000,
+}

@@ -1,0 +1,71 @@
+"""``make bench``'s report: ratios to the best peer and to the reference, ``n/a`` with a reason.
+
+No database: the summaries are made up; the peers' packages (the ``bench`` extra) are not
+needed either.
+"""
+
+from __future__ import annotations
+
+from bench.__main__ import compare, systems_for, table
+
+
+def _s(rate: float, cpu: float = 100.0, **extra: float) -> dict:
+    return {
+        "rate_median": rate,
+        "rate_min": rate,
+        "rate_max": rate,
+        "client_cpu_us_per_msg": cpu,
+        "server_cpu_us_per_msg": 0.0,
+        **extra,
+    }
+
+
+def test_ratios_name_the_best_peer_and_the_reference() -> None:
+    summaries = {
+        "ours": _s(900),
+        "ours_lease": _s(500),
+        "procrastinate": _s(400),
+        "pgqueuer": _s(600),
+        "baseline": _s(4000),
+        "contract": _s(1000),
+    }
+    e = compare("C1", "on", summaries, {})
+    assert e["best_peer"] == "pgqueuer"
+    assert e["ratio_to_best_peer"] == 1.5
+    assert e["meets_best_peer_target"]
+    assert abs(e["ours_lease_ratio_to_best_peer"] - 500 / 600) < 1e-9
+    assert e["ratio_to_contract"] == 0.9
+    assert e["meets_contract_target"]
+    assert not e["ours_lease_meets_contract_target"]
+
+
+def test_a_workload_a_peer_cannot_express_is_na_with_its_reason() -> None:
+    systems, na = systems_for("C2")
+    assert "pgqueuer" in systems and "procrastinate" not in systems
+    assert "batch" in na["procrastinate"]
+    summaries = {k: _s(1000) for k in systems}
+    report = {
+        "postgresql": {
+            "on": {
+                "workloads": {
+                    "C2": {"messages": 1, **summaries, **compare("C2", "on", summaries, na)}
+                }
+            }
+        }
+    }
+    assert report["postgresql"]["on"]["workloads"]["C2"]["peers"]["procrastinate"]["n/a"]
+    assert "| C2 |" in table(report) and "n/a" in table(report)
+
+
+def test_latency_compares_p99_and_keeps_the_in_process_figure_apart() -> None:
+    lat = {"p50_ms": 1.0, "p95_ms": 2.0, "p99_ms": 3.0}
+    summaries = {
+        "ours": _s(200, **lat),
+        "ours_lease": _s(200, **lat),
+        "procrastinate": _s(200, **{**lat, "p99_ms": 6.0}),
+        "pgqueuer": _s(200, **{**lat, "p99_ms": 4.0}),
+    }
+    e = compare("L1X", "on", summaries, {})
+    assert e["best_peer"] == "pgqueuer" and e["ours_p99_over_best_peer"] == 0.75
+    _, na = systems_for("L1")
+    assert set(na) == {"procrastinate", "pgqueuer"} and "in-process" in na["pgqueuer"]
