@@ -251,7 +251,7 @@ def test_a_failing_entity_handler_is_logged(backend, caplog):
 
 def test_a_programming_error_in_the_loop_stops_the_worker_instead_of_spinning(backend, caplog):
     class Broken(DelayedQueue[Any]):
-        def try_poll_many(self, *args: Any, **kwargs: Any) -> Any:
+        def poll_batch(self, *args: Any, **kwargs: Any) -> Any:
             raise AttributeError("'Broken' object has no attribute 'process_one'")
 
     polls: list[int] = []
