@@ -10,7 +10,8 @@ with the horizon free again. A worker in a separate process (``--workers`` threa
 mode) handles them and reports each take's duration. The table printed per minute:
 
 - **offered** and **completed** messages, and completed as a share of offered;
-- **take p50 / p99 / max**: how long one take (the claim statement and its transaction) took;
+- **take p50 / p99 / max**: how long one take took (lease mode: the claim; transactional mode:
+  the take and the handler, which does nothing here, before the commit);
 - **empty takes**: the share of takes that found nothing;
 - at the end of the pinned phase, **dead rows per message** (PostgreSQL's ``n_dead_tup`` growth
   over the messages completed while nothing could be vacuumed) and the index bytes per message.
@@ -64,6 +65,19 @@ def consume(url: str, mode: str, workers: int, out: Path) -> None:
         return polled
 
     queue.poll_batch = timed  # type: ignore[method-assign]
+    process = queue.process_one
+
+    def timed_process(session: Any, handler: Any) -> Any:
+        # Transactional mode: the take (a DELETE ... RETURNING) and the handler, in one call.
+        started = time.perf_counter()
+        result = process(session, handler)
+        with lock:
+            state["takes"].append(time.perf_counter() - started)
+            state["empty"] += result is None
+        return result
+
+    if mode == "transactional":
+        queue.process_one = timed_process  # type: ignore[method-assign]
 
     def handled(*_: Any) -> None:
         with lock:
