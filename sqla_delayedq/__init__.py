@@ -32,6 +32,7 @@ from ._types import (
     QueueCounts,
     State,
 )
+from .controls import QueueControls
 from .cron import (
     CatchUp,
     CronConfig,
@@ -107,6 +108,7 @@ __all__ = [
     "Outcome",
     "PeriodicTick",
     "PydanticSerializer",
+    "QueueControls",
     "QueueCounts",
     "QueueMessageMixin",
     "RetryPolicy",

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, NamedTuple, Protocol, T
 
 from sqlalchemy.orm import Session
 
+from . import controls
 from ._dialects import Listener, is_transient, strategy_class
 from ._leases import LeasedQueue, Polled
 from ._types import Envelope, NackOutcome
@@ -209,6 +210,7 @@ class Source(Protocol):
         self, session: Session, handler: Callable[[Envelope[Any], Session], Any]
     ) -> tuple[Envelope[Any], BaseException | None, NackOutcome | None] | None: ...
     def next_due(self, session: Session) -> datetime | None: ...
+    def gate(self, session: Session) -> controls.QueueControls | None: ...
 
 
 class Runtime(Protocol):
@@ -504,6 +506,8 @@ class BaseWorker(Generic[S]):
         if rt is None:
             return
         if queue is None or count is None:
+            # Controls changed (or a listener reconnected, and may have missed that).
+            controls.invalidate()
             rt.notify(queue, None)
             return
         sizes = [self._take_size(r) for r in self._registrations if r.source.name == queue]
@@ -529,6 +533,7 @@ class BaseWorker(Generic[S]):
     def _check_startable(self) -> None:
         if not self._registrations:
             raise InvalidArgument("register at least one queue before starting the worker")
+        controls.keep_fresh(self.poll_interval)
         self._started = True
         self.started_at = time.time()
 
@@ -617,7 +622,11 @@ class BaseWorker(Generic[S]):
         return self._lease_once(reg)
 
     def _idle(self, session: Session, reg: Registration) -> float | None:
-        """After an empty take, in the same transaction: seconds until the next due row."""
+        """After an empty take, in the same transaction: seconds until the next due row (None
+        for a paused queue: its due rows wait for a wake-up or the poll interval)."""
+        gate = reg.source.gate(session)
+        if gate is not None and gate.paused:
+            return None
         now = reg.source.now()
         when = reg.source.next_due(session)
         return None if when is None else max(0.0, (when - now).total_seconds())
@@ -633,9 +642,12 @@ class BaseWorker(Generic[S]):
         """Up to ``n`` envelopes, and whether more is due now; when not, in the same
         transaction, when the next row is due."""
         with self.rt.session() as s, s.begin():
-            envs, more = reg.source.poll_batch(s, n, lease=reg.lease)
-            if more:
+            polled = reg.source.poll_batch(s, n, lease=reg.lease)
+            envs = polled.envelopes
+            if polled.more:
                 return envs, Taken(len(envs), True, None)
+            if polled.held:  # paused or at a limit: due rows wait for the controls
+                return envs, Taken(len(envs), False, polled.wait)
             return envs, Taken(len(envs), False, self._idle(s, reg))
 
     def _lease_once(self, reg: Registration) -> Taken:

@@ -125,6 +125,9 @@ class Strategy(abc.ABC):
     delete_returning: ClassVar[bool] = True
     #: The lock a poll takes on the rows it picks (None: the backend has no row locks).
     poll_lock: ClassVar[st.Lock] = "update_skip_locked"
+    #: Counts that must see every commit before the transaction's lock was granted read with
+    #: a shared lock (InnoDB's plain reads may use a snapshot taken earlier in the transaction).
+    share_lock_counts: ClassVar[bool] = False
 
     def insert_one(
         self, session: Session, t: Table, row: dict[str, Any], *, notify: str | None = None
@@ -445,6 +448,7 @@ class MySQLStrategy(Strategy):
     delete_returning = False
     offer_lock = None
     batch_lock = None
+    share_lock_counts = True
 
     def insert_one(
         self, session: Session, t: Table, row: dict[str, Any], *, notify: str | None = None

@@ -21,6 +21,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 from sqlalchemy.orm import Session
 
 from . import _statements as st
+from . import controls as ctl
 from ._codec import error_text
 from ._dialects import Claimed, Claims, Strategy, strategy_for, transient_as_ours
 from ._rules import after_failure, lease_exhausted, lost_lease_error
@@ -50,6 +51,10 @@ class Polled(NamedTuple, Generic[T]):
     envelopes: list[Envelope[T]]
     #: More rows were due than the take asked for.
     more: bool
+    #: The queue's controls held due rows back (paused, or at a limit): take again after
+    #: ``wait`` seconds (None: when woken or after the poll interval).
+    held: bool = False
+    wait: float | None = None
 
 
 class LeasedQueue(abc.ABC, Generic[T]):
@@ -127,10 +132,47 @@ class LeasedQueue(abc.ABC, Generic[T]):
         check_count(n)
         lease = self.lease if lease is None else require_duration(lease, "lease")
         strategy = strategy_for(session)
+        gate = self.gate(session)
+        if gate is not None:
+            if gate.paused:  # as last read: no lock, no round trip until a change or refresh
+                return Polled([], False, True, None)
+            return self._controlled_poll(session, strategy, n, lease)
+        return self._poll(session, strategy, n, lease)
+
+    def _controlled_poll(
+        self, session: Session, strategy: Strategy, n: int, lease: timedelta
+    ) -> Polled[T]:
+        """A take of a paused or limited queue: at most what its controls admit now."""
+        table = self.shape.table.name
+
+        def in_flight(now: datetime) -> int:
+            stmt = st.in_flight(self.shape, self.name, now, strategy.share_lock_counts)
+            return int(session.execute(stmt).scalar_one())
+
+        admission = ctl.admit(session, table, self.name, self.now, n, in_flight)
+        if admission.allowed == 0:
+            return Polled([], False, True, admission.wait)
+        polled = self._poll(session, strategy, admission.allowed, lease, admission.now)
+        taken = len(polled.envelopes)
+        ctl.record(session, table, self.name, admission, taken)
+        if polled.more and admission.allowed < n:
+            return Polled(polled.envelopes, False, True, ctl.retry_after(admission, taken))
+        return polled
+
+    def _poll(
+        self,
+        session: Session,
+        strategy: Strategy,
+        n: int,
+        lease: timedelta,
+        at: datetime | None = None,
+    ) -> Polled[T]:
+        """The take itself; ``at``: the time every claim of it uses (else the clock's, per
+        claim)."""
         envelopes: list[Envelope[T]] = []
         more = False
         while len(envelopes) < n:
-            now = self.now()
+            now = self.now() if at is None else at
             prefix = secrets.token_hex(12) + "."
             claimed, more = self._claim(
                 session, strategy, now, now + lease, n - len(envelopes), prefix
@@ -160,6 +202,58 @@ class LeasedQueue(abc.ABC, Generic[T]):
             self._bury(session, row.id, row.lock_token, row.attempts + 1, error_text(exc), now)
             return None
         return self._envelope(claimed, payload)
+
+    # -- controls ------------------------------------------------------------------------------
+
+    def gate(self, session: Session) -> ctl.QueueControls | None:
+        """This queue's controls as this process last read them (at most
+        :data:`~sqla_delayedq.controls.REFRESH` seconds ago); None when it is plain."""
+        return ctl.lookup(session, self.shape.table.name, self.name)
+
+    def _transactional_gate(self, session: Session) -> bool:
+        """Before a transactional take: False when the queue is paused. A limited queue
+        raises: its limits hold only for leases (see :mod:`sqla_delayedq.controls`)."""
+        gate = self.gate(session)
+        if gate is None:
+            return True
+        if gate.limited:
+            raise InvalidArgument(
+                f"queue {self.name!r} has a concurrency or rate limit, which only lease-mode "
+                "consumers obey: consume it in lease mode, or remove the limit"
+            )
+        return not gate.paused
+
+    def pause(self, session: Session) -> ctl.QueueControls:
+        """Stop every consumer of this queue, in every process, from taking (offers are still
+        accepted; messages in flight finish). Takes effect when the session commits."""
+        return ctl.change(session, self.shape.table.name, self.name, self.now(), paused=True)
+
+    def resume(self, session: Session) -> ctl.QueueControls:
+        """Undo :meth:`pause`; idle consumers wake at once (on PostgreSQL, in every process)."""
+        return ctl.change(session, self.shape.table.name, self.name, self.now(), paused=False)
+
+    def set_limits(
+        self,
+        session: Session,
+        *,
+        max_in_flight: int | None = ctl.UNSET,
+        rate: tuple[int, timedelta | float] | None = ctl.UNSET,
+    ) -> ctl.QueueControls:
+        """Limit the queue across every consumer: at most ``max_in_flight`` messages in flight,
+        at most ``rate[0]`` takes in any ``rate[1]`` (a timedelta or seconds). None removes a
+        limit; an argument left out is kept. Takes effect when the session commits."""
+        return ctl.change(
+            session,
+            self.shape.table.name,
+            self.name,
+            self.now(),
+            max_in_flight=max_in_flight,
+            rate=rate,
+        )
+
+    def controls(self, session: Session) -> ctl.QueueControls:
+        """The queue's controls as the database holds them now."""
+        return ctl.read(session, self.shape.table.name, self.name)
 
     def next_due(self, session: Session) -> datetime | None:
         """When the next row becomes due after now (None: nothing scheduled)."""

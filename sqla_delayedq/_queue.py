@@ -205,6 +205,8 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
     def _consume_rows(self, session: Session, n: int) -> list[tuple[Envelope[T], Any]]:
         strategy = strategy_for(session)
         taken: list[tuple[Envelope[T], Any]] = []
+        if not self._transactional_gate(session):
+            return taken
         while len(taken) < n:
             now = self.now()
             rows = strategy.consume(session, self.table, self.name, now, n - len(taken))

@@ -195,6 +195,16 @@ def select_due(t: Table, queue: Any, now: Any, limit: Any, lock: Lock) -> Select
     return with_lock(stmt, lock)
 
 
+def in_flight(shape: Shape, queue: str, now: datetime, share_lock: bool) -> Select[Any]:
+    """How many rows of a queue are taken under a lease that has not run out (the lock-token
+    index: settled rows have no token)."""
+    stmt = select(func.count()).select_from(shape.table).where(shape.token.is_not(None))
+    stmt = stmt.where(shape.due > now)
+    if shape.queue is not None:
+        stmt = stmt.where(shape.queue == queue)
+    return stmt.with_for_update(read=True) if share_lock else stmt
+
+
 def next_due(shape: Shape, queue: Any, now: Any) -> Select[Any]:
     """When the next row becomes due, strictly after ``now`` (rows due at ``now`` that a poll
     skipped are locked by another consumer)."""

@@ -12,6 +12,10 @@ that many idle consumers, not all of them: one offer, one take. A ``NOTIFY`` pay
 ``<count>\x1f<queue>`` (:func:`payload`), or the bare queue name for one message when an insert
 carries it; the two forms never collide, so PostgreSQL does not fold one into the other.
 
+A change of a queue's controls (:mod:`sqla_delayedq.controls`) is announced the same way with
+``!\x1f<queue>``: waiters get a count of None (wake every idle consumer) after the functions
+registered with :func:`on_control` have run.
+
 Polling stays authoritative: a lost notification only delays a message by the poll interval.
 """
 
@@ -33,16 +37,19 @@ class Strategy(Protocol):
     def notify(self, session: Session, notes: Sequence[tuple[str, str]]) -> None: ...
 
 
-__all__ = ["announce", "notify_pending", "parse", "payload", "subscribe"]
+__all__ = ["announce", "notify_pending", "on_control", "parse", "payload", "subscribe"]
 
 PENDING = "sqla_delayedq.wakeups"
 
-#: ``waiter(queue, count)``: ``count`` messages were offered to ``queue``.
-Waiter = Callable[[str, int], None]
+#: ``waiter(queue, count)``: ``count`` messages were offered to ``queue`` (None: its controls
+#: changed).
+Waiter = Callable[[str, int | None], None]
 #: ``wake(queue, count)`` from a listener; ``count`` None: wake every idle consumer.
 Wake = Callable[[str | None, int | None], None]
 _SEP = "\x1f"
+_CONTROL = "!"
 _waiters: dict[str, set[Waiter]] = {}
+_control_hooks: list[Callable[[str], None]] = []
 _lock = threading.Lock()
 
 
@@ -58,6 +65,8 @@ def parse(text: str | None) -> tuple[str | None, int | None]:
     head, sep, queue = text.partition(_SEP)
     if sep and head.isdigit():
         return queue, int(head)
+    if sep and head == _CONTROL:
+        return queue, None
     return text, 1
 
 
@@ -69,17 +78,27 @@ def announce(
     count: int = 0,
     *,
     sent: int = 0,
+    control: bool = False,
 ) -> None:
     """Note that ``count`` messages were offered to ``queue`` of ``table`` in the session's
     current transaction.
 
     ``sent`` says how many of them a statement of this transaction already announced to other
-    processes (a PostgreSQL insert can piggyback ``NOTIFY`` on itself).
+    processes (a PostgreSQL insert can piggyback ``NOTIFY`` on itself). ``control``: the
+    queue's controls changed.
     """
     pending: dict[tuple[str, str], list[Any]] = session.info.setdefault(PENDING, {})
-    entry = pending.setdefault((table, queue), [strategy, 0, 0])
+    entry = pending.setdefault((table, queue), [strategy, 0, 0, False])
     entry[1] += count
     entry[2] += sent
+    entry[3] = entry[3] or control
+
+
+def on_control(hook: Callable[[str], None]) -> None:
+    """Call ``hook(table)`` after each local commit that changed controls of ``table``, before
+    any waiter is woken."""
+    with _lock:
+        _control_hooks.append(hook)
 
 
 def notify_pending(session: Session, table: str, queue: str) -> bool:
@@ -110,12 +129,17 @@ def _send_notify(session: Session) -> None:
     if not pending:
         return
     by_strategy: dict[int, tuple[Strategy, list[tuple[str, str]]]] = {}
-    for (table, queue), (strategy, count, sent) in pending.items():
-        if strategy.has_notify and count > sent:
-            notes = by_strategy.setdefault(id(strategy), (strategy, []))[1]
+    for (table, queue), (strategy, count, sent, control) in pending.items():
+        if not strategy.has_notify:
+            continue
+        notes = by_strategy.setdefault(id(strategy), (strategy, []))[1]
+        if count > sent:
             notes.append((table, payload(queue, count - sent)))
+        if control:
+            notes.append((table, f"{_CONTROL}{_SEP}{queue}"))
     for strategy, notes in by_strategy.values():
-        strategy.notify(session, notes)
+        if notes:
+            strategy.notify(session, notes)
 
 
 @event.listens_for(Session, "after_commit")
@@ -124,12 +148,16 @@ def _wake_local(session: Session) -> None:
     if not pending:
         return
     with _lock:
-        calls = [
-            (w, q, entry[1])
+        hooks = list(_control_hooks)
+        calls: list[tuple[Waiter, str, int | None]] = [
+            (w, q, None if entry[3] else entry[1])
             for (t, q), entry in pending.items()
-            if entry[1] > 0
+            if entry[1] > 0 or entry[3]
             for w in _waiters.get(t, ())
         ]
+    for table in {t for (t, _), entry in pending.items() if entry[3]}:
+        for hook in hooks:
+            hook(table)
     for waiter, queue, count in calls:
         waiter(queue, count)
 

@@ -51,6 +51,7 @@ from ._types import (
     QueueCounts,
 )
 from ._wakeup import subscribe
+from .controls import UNSET, QueueControls
 
 __all__ = [
     "AsyncHandler",
@@ -259,6 +260,28 @@ class AsyncQueue(Generic[T]):
 
     async def prune(self, session: AsyncSession, older_than: timedelta | None = None) -> int:
         return await session.run_sync(lambda s: self.queue.prune(s, older_than))
+
+    # -- controls --------------------------------------------------------------------------
+
+    async def pause(self, session: AsyncSession) -> QueueControls:
+        return await session.run_sync(self.queue.pause)
+
+    async def resume(self, session: AsyncSession) -> QueueControls:
+        return await session.run_sync(self.queue.resume)
+
+    async def set_limits(
+        self,
+        session: AsyncSession,
+        *,
+        max_in_flight: int | None = UNSET,
+        rate: tuple[int, timedelta | float] | None = UNSET,
+    ) -> QueueControls:
+        return await session.run_sync(
+            lambda s: self.queue.set_limits(s, max_in_flight=max_in_flight, rate=rate)
+        )
+
+    async def controls(self, session: AsyncSession) -> QueueControls:
+        return await session.run_sync(self.queue.controls)
 
 
 class AsyncRuntime:

@@ -574,6 +574,8 @@ class EntityQueue(LeasedQueue[M]):
         outcome)``. A crash rolls everything back and the entity is due again at once.
         Transient database errors are re-raised. None when nothing is due.
         """
+        if not self._transactional_gate(session):
+            return None
         taken = self.try_poll_many(session, 1)
         if not taken:
             return None

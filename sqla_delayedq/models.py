@@ -24,6 +24,7 @@ from typing import Any
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     CheckConstraint,
     Column,
     Float,
@@ -36,6 +37,7 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.dialects import mysql, postgresql
 from sqlalchemy.engine import Dialect
@@ -224,4 +226,25 @@ stats_table = Table(
         "worker_id", "table_name", "queue", "minute", name=conv("pk_delayedq_stats")
     ),
     Index(conv("ix_delayedq_stats_minute"), "minute"),
+)
+
+
+#: Queue controls (revision ``delayedq_0004``, :mod:`sqla_delayedq.controls`): one row per queue
+#: that was ever paused or limited; a queue without a row is plain. ``queue`` is the queue's name
+#: (an entity queue's: its table's).
+controls_table = Table(
+    "delayedq_queue_controls",
+    metadata,
+    Column("table_name", String(100), nullable=False),
+    Column("queue", ExactString(QUEUE_MAX), nullable=False),
+    Column("paused", Boolean, nullable=False, server_default=false()),
+    #: At most this many messages of the queue in flight at once, across every consumer.
+    Column("max_in_flight", Integer, nullable=True),
+    #: At most ``rate_limit`` takes per ``rate_period`` seconds (any window of that length).
+    Column("rate_limit", Integer, nullable=True),
+    Column("rate_period", Float, nullable=True),
+    #: The takes inside the current window: JSON ``[[epoch seconds, count], ...]``.
+    Column("rate_log", Text, nullable=True),
+    Column("updated_at", DateTimeUTC(), nullable=False),
+    PrimaryKeyConstraint("table_name", "queue", name=conv("pk_delayedq_queue_controls")),
 )

@@ -500,7 +500,7 @@ class Inline:
         self._running = False
         self._pending = False
 
-    def _wake(self, queue: str, _count: int = 1) -> None:
+    def _wake(self, queue: str, _count: int | None = 1) -> None:
         """After a commit that offered to ``queue``: run what is due, once at a time (a commit
         inside a handler only asks the running drain for another pass)."""
         if queue not in self._names:

@@ -51,3 +51,12 @@ def with_pid(envelope: Envelope[Any], session: Session | None = None) -> None:
     _note(f"start {envelope.key} {pid}")
     time.sleep(float(envelope.payload.get("sleep", 0)))
     _note(f"done {envelope.key} {pid}")
+
+
+def timed(envelope: Envelope[Any]) -> None:
+    """``start KEY PID T LEASE_UNTIL``, ``payload["sleep"]`` seconds, ``done KEY PID T``
+    (T: ``time.time()``; the take's time is ``LEASE_UNTIL`` minus the lease)."""
+    pid = os.getpid()
+    _note(f"start {envelope.key} {pid} {time.time():.6f} {envelope.lease_until.timestamp():.6f}")
+    time.sleep(float(envelope.payload.get("sleep", 0)))
+    _note(f"done {envelope.key} {pid} {time.time():.6f}")

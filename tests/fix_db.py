@@ -32,7 +32,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
-from sqla_delayedq import create_engine
+from sqla_delayedq import controls, create_engine
 from sqla_delayedq.models import metadata
 
 BACKENDS = ("sqlite", "postgresql", "mariadb")
@@ -223,6 +223,7 @@ def _clean(backend: Backend) -> None:
     with backend.engine.begin() as conn:
         for table in reversed(metadata.sorted_tables):
             conn.execute(table.delete())
+    controls.invalidate()  # what this process last read of the queues' controls
 
 
 def _emptied(

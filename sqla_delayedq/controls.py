@@ -1,0 +1,320 @@
+"""Queue controls: pause a queue, cap how many of its messages are in flight, cap its start rate.
+
+The controls of a queue are one row of ``delayedq_queue_controls`` (revision ``delayedq_0004``),
+so every worker process and machine obeys the same switch. A queue without a row is *plain* and
+takes exactly as before: consumers learn which queues are controlled from a per-process cache
+(:data:`REFRESH` seconds old at most, invalidated at once in the process that changed it and,
+on PostgreSQL, by ``NOTIFY`` in every process), so the plain path costs nothing more.
+
+- **Paused**: offers are accepted, nothing is taken. Messages already in flight finish.
+  ``resume`` wakes idle consumers at once (through ``NOTIFY`` on PostgreSQL).
+- **Max in flight**: at most N messages taken and not yet settled, across every consumer. A take
+  of a limited queue locks its controls row, counts the leases still running (the lock-token
+  index) and takes at most what is left, so racing consumers cannot exceed the limit.
+- **Rate**: at most N takes in any window of ``period`` seconds. The controls row keeps the takes
+  inside the window (time and count per take); a take under the row lock takes at most what
+  the window has left, and a consumer that finds it full sleeps until it has room.
+
+Limits are enforced in lease mode (a transactional consumer's take lives as long as its
+handler, so holding the controls row for it would serialise the queue): a transactional take
+of a limited queue raises :class:`~sqla_delayedq.errors.InvalidArgument`. Pause applies to both
+modes. Time is the queues' clock, like every other decision.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, NamedTuple
+
+from sqlalchemy import insert, select, update
+from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.orm import Session
+
+from . import _wakeup
+from ._dialects import strategy_for
+from ._statements import affected
+from .errors import InvalidArgument
+from .models import QUEUE_MAX, controls_table
+
+__all__ = [
+    "REFRESH",
+    "UNSET",
+    "Admission",
+    "QueueControls",
+    "admit",
+    "change",
+    "invalidate",
+    "keep_fresh",
+    "lookup",
+    "read",
+    "record",
+    "retry_after",
+]
+
+log = logging.getLogger("sqla_delayedq.controls")
+
+#: How old, in seconds, a process's picture of which queues are controlled may be.
+REFRESH = 1.0
+#: How long a process believes the controls table is missing before it looks again.
+MISSING_RECHECK = 30.0
+#: How soon a consumer that found a queue at its in-flight limit tries again, at most.
+LIMITED_RETRY = 0.25
+
+#: An argument left out of :func:`change`: keep the current value.
+UNSET: Any = object()
+t = controls_table
+
+
+@dataclass(frozen=True)
+class QueueControls:
+    """The controls of one queue (all off: a plain queue)."""
+
+    paused: bool = False
+    #: At most this many in flight across every consumer (None: no limit).
+    max_in_flight: int | None = None
+    #: At most ``rate_limit`` takes in any ``rate_period`` (None: no limit).
+    rate_limit: int | None = None
+    rate_period: timedelta | None = None
+
+    @property
+    def limited(self) -> bool:
+        return self.max_in_flight is not None or self.rate_limit is not None
+
+    @property
+    def plain(self) -> bool:
+        return not self.paused and not self.limited
+
+
+class Admission(NamedTuple):
+    """What a controlled queue lets one take have."""
+
+    #: How many rows the take may take (0: none now).
+    allowed: int
+    #: When ``allowed`` is 0: seconds until the queue may have room (None: not before a change,
+    #: it is paused).
+    wait: float | None
+    #: The rate window's takes, to which the take's count is added (None: no rate limit).
+    window: list[list[float]] | None
+    controls: QueueControls
+    #: The time of the take: read once the row is locked, so a take that waited for the lock
+    #: is counted when it happens.
+    now: datetime
+
+
+def _controls(row: Any) -> QueueControls:
+    period = None if row.rate_period is None else timedelta(seconds=row.rate_period)
+    return QueueControls(bool(row.paused), row.max_in_flight, row.rate_limit, period)
+
+
+def _key(session: Session, table: str) -> tuple[str, str]:
+    bind = session.get_bind()
+    return (str(bind.engine.url), table)
+
+
+# -- the per-process picture ------------------------------------------------------------------
+
+_lock = threading.Lock()
+#: (engine url, table) -> (monotonic time read, {queue: controls} of the controlled queues,
+#: or None when the table is missing).
+_cache: dict[tuple[str, str], tuple[float, dict[str, QueueControls] | None]] = {}
+
+
+def keep_fresh(seconds: float) -> None:
+    """Read the controls at least every ``seconds`` in this process (a worker asks for its poll
+    interval, so a pause reaches it within one interval even without ``NOTIFY``)."""
+    global REFRESH
+    with _lock:
+        REFRESH = min(REFRESH, seconds)
+
+
+def invalidate(table: str | None = None) -> None:
+    """Forget what this process knows of ``table``'s controls (every table: None)."""
+    with _lock:
+        for key in [k for k in _cache if table is None or k[1] == table]:
+            del _cache[key]
+
+
+def lookup(session: Session, table: str, queue: str) -> QueueControls | None:
+    """The controls of a controlled queue as this process last read them; None when plain.
+
+    Reads every controlled queue of ``table`` at most every :data:`REFRESH` seconds, inside a
+    savepoint of the session's transaction (a database without the table loses nothing).
+    """
+    key = _key(session, table)
+    now = time.monotonic()
+    with _lock:
+        entry = _cache.get(key)
+    if entry is not None:
+        read_at, queues = entry
+        age = MISSING_RECHECK if queues is None else REFRESH
+        if now - read_at < age:
+            return None if queues is None else queues.get(queue)
+    queues = _read_table(session, table)
+    with _lock:
+        _cache[key] = (now, queues)
+    return None if queues is None else queues.get(queue)
+
+
+def _read_table(session: Session, table: str) -> dict[str, QueueControls] | None:
+    stmt = select(t.c.queue, t.c.paused, t.c.max_in_flight, t.c.rate_limit, t.c.rate_period)
+    stmt = stmt.where(t.c.table_name == table)
+    try:
+        with session.begin_nested():
+            rows = session.execute(stmt).all()
+    except DBAPIError as exc:
+        log.debug("no queue controls on this database (%s): queues are plain", exc.orig)
+        return None
+    found = {row.queue: _controls(row) for row in rows}
+    return {q: c for q, c in found.items() if not c.plain}
+
+
+# -- reading and changing ---------------------------------------------------------------------
+
+
+def read(session: Session, table: str, queue: str) -> QueueControls:
+    """The controls of ``queue`` as the database holds them now."""
+    stmt = select(t.c.paused, t.c.max_in_flight, t.c.rate_limit, t.c.rate_period).where(
+        t.c.table_name == table, t.c.queue == queue
+    )
+    row = session.execute(stmt).first()
+    return QueueControls() if row is None else _controls(row)
+
+
+def _check_limit(value: Any, what: str) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InvalidArgument(f"{what} must be a positive integer or None, got {value!r}")
+    return value
+
+
+def _check_rate(rate: Any) -> tuple[int | None, float | None]:
+    if rate is None:
+        return None, None
+    if not isinstance(rate, tuple) or len(rate) != 2:
+        raise InvalidArgument(f"rate must be (count, period) or None, got {rate!r}")
+    count = _check_limit(rate[0], "the rate's count")
+    period = rate[1]
+    seconds = period.total_seconds() if isinstance(period, timedelta) else period
+    if (
+        not isinstance(seconds, (int, float))
+        or isinstance(seconds, bool)
+        or not math.isfinite(seconds)
+        or seconds <= 0
+    ):
+        raise InvalidArgument(f"the rate's period must be a positive duration, got {period!r}")
+    return count, float(seconds)
+
+
+def change(
+    session: Session,
+    table: str,
+    queue: str,
+    now: datetime,
+    *,
+    paused: bool | None = None,
+    max_in_flight: int | None = UNSET,
+    rate: tuple[int, timedelta | float] | None = UNSET,
+) -> QueueControls:
+    """Set some controls of ``queue`` in the session's transaction (the rest stay); the result.
+
+    Consumers of every process see the change within :data:`REFRESH` seconds (at once in this
+    process after the commit, and on PostgreSQL through ``NOTIFY``).
+    """
+    if not isinstance(queue, str) or not queue or len(queue) > QUEUE_MAX:
+        raise InvalidArgument(f"queue must be a name of 1 to {QUEUE_MAX} characters")
+    values: dict[str, Any] = {"updated_at": now}
+    if paused is not None:
+        values["paused"] = bool(paused)
+    if max_in_flight is not UNSET:
+        values["max_in_flight"] = _check_limit(max_in_flight, "max_in_flight")
+    if rate is not UNSET:
+        values["rate_limit"], values["rate_period"] = _check_rate(rate)
+        values["rate_log"] = None
+    where = (t.c.table_name == table, t.c.queue == queue)
+    if not affected(session, update(t).where(*where).values(values)):
+        try:
+            with session.begin_nested():
+                session.execute(insert(t).values(table_name=table, queue=queue, **values))
+        except IntegrityError:  # another transaction inserted it first: now it is there
+            session.execute(update(t).where(*where).values(values))
+    strategy = strategy_for(session)
+    _wakeup.announce(session, strategy, table, queue, control=True)
+    return read(session, table, queue)
+
+
+# -- a take of a controlled queue -------------------------------------------------------------
+
+
+def admit(
+    session: Session,
+    table: str,
+    queue: str,
+    clock: Callable[[], datetime],
+    wanted: int,
+    in_flight: Callable[[datetime], int],
+) -> Admission:
+    """Lock ``queue``'s controls row for the session's transaction and say how many rows a
+    take may have now. The caller takes at most that many, then calls :func:`record`."""
+    stmt = (
+        select(t.c.paused, t.c.max_in_flight, t.c.rate_limit, t.c.rate_period, t.c.rate_log)
+        .where(t.c.table_name == table, t.c.queue == queue)
+        .with_for_update()
+    )
+    row = session.execute(stmt).first()
+    now = clock()
+    if row is None:
+        return Admission(wanted, None, None, QueueControls(), now)
+    controls = _controls(row)
+    if controls.paused:
+        return Admission(0, None, None, controls, now)
+    allowed, wait = wanted, None
+    window: list[list[float]] | None = None
+    if controls.rate_limit is not None and row.rate_period is not None:
+        stamp = now.timestamp()
+        # A take exactly one period ago still counts: no closed window holds more than the limit.
+        window = [e for e in json.loads(row.rate_log or "[]") if e[0] >= stamp - row.rate_period]
+        room = controls.rate_limit - sum(int(e[1]) for e in window)
+        if room <= 0:
+            wait = max(0.0, min(e[0] for e in window) + row.rate_period - stamp) + 0.001
+        allowed = min(allowed, max(room, 0))
+    if controls.max_in_flight is not None and allowed > 0:
+        room = controls.max_in_flight - in_flight(now)
+        if room <= 0:
+            wait = LIMITED_RETRY
+        allowed = min(allowed, max(room, 0))
+    return Admission(allowed, wait, window, controls, now)
+
+
+def record(session: Session, table: str, queue: str, admission: Admission, taken: int) -> None:
+    """Add a take of ``taken`` rows to the queue's rate window (under :func:`admit`'s lock)."""
+    if admission.window is None or taken == 0:
+        return
+    window = [*admission.window, [admission.now.timestamp(), taken]]
+    session.execute(
+        update(t)
+        .where(t.c.table_name == table, t.c.queue == queue)
+        .values(rate_log=json.dumps(window))
+    )
+
+
+def retry_after(admission: Admission, taken: int) -> float:
+    """After a take that used all ``admission`` allowed while more was due: seconds until the
+    queue may have room again."""
+    c, now = admission.controls, admission.now
+    if admission.window is not None and c.rate_limit is not None and c.rate_period is not None:
+        used = sum(int(e[1]) for e in admission.window) + taken
+        if used >= c.rate_limit:
+            oldest = min([e[0] for e in admission.window] + [now.timestamp()])
+            return max(0.0, oldest + c.rate_period.total_seconds() - now.timestamp()) + 0.001
+    return LIMITED_RETRY
+
+
+_wakeup.on_control(invalidate)

@@ -1,0 +1,321 @@
+"""Queue controls (:mod:`sqla_delayedq.controls`): pause and resume, a global in-flight limit
+and a global rate limit, on every backend, through the queue API and both workers."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from sqla_delayedq import DelayedQueue, Envelope, InvalidArgument, QueueControls
+from sqla_delayedq.aio import AsyncQueue
+from sqla_delayedq.models import controls_table
+from tests.fix_workers import running
+from tests.test_worker import offer, wait_for
+
+
+def offer_many(backend: Any, q: DelayedQueue[Any], n: int, prefix: str = "m") -> list[str]:
+    keys = [f"{prefix}{i:04d}" for i in range(n)]
+    with backend.Session() as s, s.begin():
+        q.offer_batch(s, [(k, {}) for k in keys])
+    return keys
+
+
+def poll(backend: Any, q: DelayedQueue[Any], n: int) -> list[Envelope[Any]]:
+    with backend.Session() as s, s.begin():
+        return q.try_poll_many(s, n)
+
+
+# -- the queue API ------------------------------------------------------------------------------
+
+
+def test_a_plain_queue_has_no_controls(backend):
+    q: DelayedQueue[Any] = DelayedQueue("plain")
+    with backend.Session() as s:
+        assert q.controls(s) == QueueControls()
+        assert q.gate(s) is None
+
+
+def test_a_paused_queue_accepts_offers_and_delivers_nothing_until_resumed(backend, make_queue):
+    q = make_queue("paused")
+    with backend.Session() as s, s.begin():
+        assert q.pause(s).paused
+    offer_many(backend, q, 3)
+    assert poll(backend, q, 10) == []
+    with backend.Session() as s:
+        assert q.counts(s).due == 3
+        assert q.consume(s, 3) == []  # the transactional take is paused too
+        assert q.process_one(s, lambda env, sess: None) is None
+        s.rollback()
+    other: DelayedQueue[Any] = make_queue("other")
+    offer_many(backend, other, 1)
+    assert len(poll(backend, other, 10)) == 1  # another queue of the table is not paused
+    with backend.Session() as s, s.begin():
+        assert not q.resume(s).paused
+    assert sorted(e.key for e in poll(backend, q, 10)) == ["m0000", "m0001", "m0002"]
+
+
+def test_a_pause_rolled_back_pauses_nothing(backend, make_queue):
+    q = make_queue("rolled-back")
+    with backend.Session() as s, s.begin():
+        q.pause(s)
+        s.rollback()
+    offer_many(backend, q, 1)
+    assert len(poll(backend, q, 1)) == 1
+
+
+def test_the_in_flight_limit_caps_takes_until_messages_settle(backend, make_queue):
+    q = make_queue("capped")
+    with backend.Session() as s, s.begin():
+        controls = q.set_limits(s, max_in_flight=3)
+    assert controls == QueueControls(max_in_flight=3)
+    offer_many(backend, q, 10)
+    first = poll(backend, q, 10)
+    assert len(first) == 3
+    assert poll(backend, q, 10) == []  # three in flight: nothing more
+    with backend.Session() as s, s.begin():
+        assert q.ack(s, first[0])
+        assert q.nack(s, first[1], "failed")  # retried later: no longer in flight
+    assert len(poll(backend, q, 10)) == 2
+    with backend.Session() as s, s.begin():
+        q.set_limits(s, max_in_flight=None)
+    assert len(poll(backend, q, 10)) == 5
+
+
+def test_an_expired_lease_no_longer_counts_in_flight(backend, make_queue, clock):
+    q = make_queue("expiring", lease=timedelta(seconds=30))
+    with backend.Session() as s, s.begin():
+        q.set_limits(s, max_in_flight=2)
+    offer_many(backend, q, 5)
+    assert len(poll(backend, q, 5)) == 2
+    assert poll(backend, q, 5) == []
+    clock.advance(timedelta(seconds=31))
+    assert len(poll(backend, q, 5)) == 2  # the two expired leases' rows come back first
+
+
+def test_the_rate_limit_counts_takes_in_a_sliding_window(backend, make_queue, clock):
+    q = make_queue("rated")
+    with backend.Session() as s, s.begin():
+        q.set_limits(s, rate=(5, timedelta(seconds=10)))
+    offer_many(backend, q, 20)
+    assert len(poll(backend, q, 3)) == 3
+    clock.advance(timedelta(seconds=6))
+    assert len(poll(backend, q, 10)) == 2
+    with backend.Session() as s, s.begin():
+        polled = q.poll_batch(s, 10)
+    assert polled.envelopes == [] and polled.held
+    assert polled.wait == pytest.approx(4.0, abs=0.01)  # the first three leave the window
+    clock.advance(timedelta(seconds=4))
+    assert poll(backend, q, 10) == []  # a take exactly one period ago still counts
+    clock.advance(timedelta(milliseconds=1))
+    assert len(poll(backend, q, 10)) == 3  # the first take left the window, the second not
+    assert poll(backend, q, 10) == []
+
+
+def test_a_take_capped_by_a_limit_says_when_to_come_back(backend, make_queue):
+    q = make_queue("held")
+    with backend.Session() as s, s.begin():
+        q.set_limits(s, max_in_flight=2)
+    offer_many(backend, q, 5)
+    with backend.Session() as s, s.begin():
+        polled = q.poll_batch(s, 4)
+    assert len(polled.envelopes) == 2 and not polled.more and polled.held
+    assert polled.wait is not None and 0 < polled.wait <= 1
+
+
+def test_transactional_takes_refuse_a_limited_queue(backend, make_queue):
+    q = make_queue("tx-limited")
+    with backend.Session() as s, s.begin():
+        q.set_limits(s, max_in_flight=1)
+    offer_many(backend, q, 1)
+    with backend.Session() as s, pytest.raises(InvalidArgument, match="lease mode"):
+        q.consume(s, 1)
+    with backend.Session() as s:
+        assert q.counts(s).due == 1  # nothing lost
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"max_in_flight": 0}, "max_in_flight"),
+        ({"max_in_flight": -1}, "max_in_flight"),
+        ({"max_in_flight": True}, "max_in_flight"),
+        ({"max_in_flight": 2.5}, "max_in_flight"),
+        ({"rate": 5}, "rate must be"),
+        ({"rate": (0, 1)}, "count"),
+        ({"rate": (5, 0)}, "period"),
+        ({"rate": (5, -1.0)}, "period"),
+        ({"rate": (5, float("nan"))}, "period"),
+        ({"rate": (5, timedelta(0))}, "period"),
+        ({"rate": (5, "1s")}, "period"),
+    ],
+)
+def test_bad_limits_are_refused_and_change_nothing(backend, kwargs, match):
+    q: DelayedQueue[Any] = DelayedQueue("bad-limits")
+    with backend.Session() as s, s.begin():
+        q.set_limits(s, max_in_flight=4)
+    with backend.Session() as s, s.begin(), pytest.raises(InvalidArgument, match=match):
+        q.set_limits(s, **kwargs)
+    with backend.Session() as s:
+        assert q.controls(s) == QueueControls(max_in_flight=4)
+
+
+def test_limits_left_out_are_kept(backend):
+    q: DelayedQueue[Any] = DelayedQueue("kept")
+    with backend.Session() as s, s.begin():
+        q.set_limits(s, max_in_flight=4, rate=(10, 2))
+        q.pause(s)
+        assert q.set_limits(s, max_in_flight=None) == QueueControls(
+            paused=True, rate_limit=10, rate_period=timedelta(seconds=2)
+        )
+
+
+def test_a_database_without_the_controls_table_takes_as_before(backend):
+    q: DelayedQueue[Any] = DelayedQueue("no-table")
+    controls_table.drop(backend.engine)
+    try:
+        from sqla_delayedq import controls
+
+        controls.invalidate()
+        offer_many(backend, q, 2)
+        with backend.Session() as s, s.begin():
+            assert len(q.try_poll_many(s, 1)) == 1
+            # the failed look-up did not spoil the transaction
+            assert len(q.try_poll_many(s, 1)) == 1
+    finally:
+        controls_table.create(backend.engine)
+        controls.invalidate()
+
+
+def test_the_async_api_pauses_limits_and_resumes(async_backend):
+    q: AsyncQueue[Any] = AsyncQueue(DelayedQueue("async-controls"))
+    Session = async_backend.sessions
+
+    async def main() -> None:
+        async with Session() as s, s.begin():
+            await q.pause(s)
+            await q.offer(s, "a", {})
+            await q.offer(s, "b", {})
+        async with Session() as s, s.begin():
+            assert await q.try_poll_many(s, 5) == []
+            assert (await q.controls(s)).paused
+        async with Session() as s, s.begin():
+            await q.resume(s)
+            await q.set_limits(s, max_in_flight=1)
+        async with Session() as s, s.begin():
+            assert len(await q.try_poll_many(s, 5)) == 1
+
+    asyncio.run(main())
+
+
+# -- workers ------------------------------------------------------------------------------------
+
+
+def test_pausing_stops_a_running_worker_and_resuming_restarts_it(backend, make_worker):
+    q: DelayedQueue[Any] = DelayedQueue("pause-worker")
+    handled: list[str] = []
+    gate = threading.Event()
+
+    def handler(env: Envelope[Any]) -> None:
+        handled.append(env.key)
+        if env.key == "slow":
+            gate.wait(10)
+
+    worker = make_worker(backend, concurrency=2, poll_interval=0.2)
+    worker.register(q, handler)
+    with running(worker):
+        offer(backend, q, "slow")
+        assert wait_for(lambda: handled == ["slow"], 10)
+        with backend.Session() as s, s.begin():
+            q.pause(s)
+        offer(backend, q, "while-paused")
+        time.sleep(1.0)  # five poll intervals
+        assert handled == ["slow"]
+        gate.set()  # the message in flight finishes while paused
+        assert wait_for(lambda: q_pending(backend, q) == 1, 10)
+        with backend.Session() as s, s.begin():
+            q.resume(s)
+        resumed = time.monotonic()
+        assert wait_for(lambda: handled == ["slow", "while-paused"], 10)
+        assert time.monotonic() - resumed < 1.5
+    assert q_pending(backend, q) == 0
+
+
+def q_pending(backend: Any, q: DelayedQueue[Any]) -> int:
+    with backend.Session() as s:
+        return q.counts(s).pending
+
+
+def test_a_worker_keeps_a_limited_queue_under_its_limits(backend, make_worker):
+    q: DelayedQueue[Any] = DelayedQueue("limited-worker")
+    lock = threading.Lock()
+    running_now = [0]
+    peak = [0]
+    done: list[str] = []
+
+    def handler(env: Envelope[Any]) -> None:
+        with lock:
+            running_now[0] += 1
+            peak[0] = max(peak[0], running_now[0])
+        time.sleep(0.05)
+        with lock:
+            running_now[0] -= 1
+            done.append(env.key)
+
+    with backend.Session() as s, s.begin():
+        q.set_limits(s, max_in_flight=2)
+    keys = offer_many(backend, q, 20)
+    worker = make_worker(backend, concurrency=4, poll_interval=0.2)
+    worker.register(q, handler)
+    with running(worker):
+        assert wait_for(lambda: len(done) == 20, 30)
+    assert sorted(done) == keys
+    assert peak[0] <= 2
+
+
+def test_a_transactional_worker_on_a_limited_queue_stops_loudly(backend):
+    from sqla_delayedq.worker import Worker
+
+    q: DelayedQueue[Any] = DelayedQueue("tx-worker-limited")
+    with backend.Session() as s, s.begin():
+        q.set_limits(s, rate=(10, 1))
+    offer_many(backend, q, 1)
+    worker = Worker(backend.Session, poll_interval=0.1)
+    worker.register(q, lambda env, s: None, mode="transactional")
+    with pytest.raises(Exception, match="lease mode"):
+        worker.run(install_signal_handlers=False)
+    assert q_pending(backend, q) == 1
+
+
+def test_a_resume_from_another_process_wakes_an_idle_worker_through_notify(pg):
+    """PostgreSQL: a resume committed by another process wakes an idle worker at once, not at
+    its poll interval (30 s here)."""
+    from sqla_delayedq.worker import Worker
+
+    q: DelayedQueue[Any] = DelayedQueue("notified")
+    with pg.Session() as s, s.begin():
+        q.pause(s)
+    offer(pg, q, "a")
+    handled: list[float] = []
+    worker = Worker(pg.Session, poll_interval=30, concurrency=2)
+    worker.register(q, lambda env: handled.append(time.monotonic()))
+    script = (
+        "import sys; from sqla_delayedq import DelayedQueue, create_engine;"
+        "from sqlalchemy.orm import Session;"
+        "e = create_engine(sys.argv[1]);"
+        "s = Session(e); s.begin(); DelayedQueue('notified').resume(s); s.commit()"
+    )
+    with running(worker):
+        time.sleep(1.5)  # the worker has seen the pause and sleeps
+        assert handled == []
+        url = pg.url.render_as_string(hide_password=False)
+        subprocess.run([sys.executable, "-c", script, url], check=True, timeout=60)
+        resumed = time.monotonic()
+        assert wait_for(lambda: bool(handled), 5)
+    assert handled[0] - resumed < 0.5
