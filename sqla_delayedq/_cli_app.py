@@ -6,6 +6,7 @@ import click
 
 from ._cli_admin import drop, requeue, reschedule, retry
 from ._cli_base import DelayedqGroup
+from ._cli_controls import controls, limit, pause, resume
 from ._cli_ops import cron, db, doctor
 from ._cli_read import ls, search, show, stats
 from ._cli_web import web
@@ -36,6 +37,10 @@ for command in (
     requeue,
     drop,
     reschedule,
+    pause,
+    resume,
+    limit,
+    controls,
     cron,
     db,
     doctor,

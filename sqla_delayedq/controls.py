@@ -67,8 +67,14 @@ MISSING_RECHECK = 30.0
 #: How soon a consumer that found a queue at its in-flight limit tries again, at most.
 LIMITED_RETRY = 0.25
 
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
 #: An argument left out of :func:`change`: keep the current value.
-UNSET: Any = object()
+UNSET: Any = _Unset()
 t = controls_table
 
 
@@ -242,7 +248,8 @@ def change(
     if not affected(session, update(t).where(*where).values(values)):
         try:
             with session.begin_nested():
-                session.execute(insert(t).values(table_name=table, queue=queue, **values))
+                row = {"table_name": table, "queue": queue, "paused": False, **values}
+                session.execute(insert(t).values(row))
         except IntegrityError:  # another transaction inserted it first: now it is there
             session.execute(update(t).where(*where).values(values))
     strategy = strategy_for(session)

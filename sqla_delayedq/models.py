@@ -37,7 +37,6 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
-    false,
 )
 from sqlalchemy.dialects import mysql, postgresql
 from sqlalchemy.engine import Dialect
@@ -237,7 +236,7 @@ controls_table = Table(
     metadata,
     Column("table_name", String(100), nullable=False),
     Column("queue", ExactString(QUEUE_MAX), nullable=False),
-    Column("paused", Boolean, nullable=False, server_default=false()),
+    Column("paused", Boolean, nullable=False),
     #: At most this many messages of the queue in flight at once, across every consumer.
     Column("max_in_flight", Integer, nullable=True),
     #: At most ``rate_limit`` takes per ``rate_period`` seconds (any window of that length).

@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 HOST_APP = Path(__file__).resolve().parent / "host_app"
 VERSION_TABLES = {"alembic_version", VERSION_TABLE}
 #: The tables the packaged revisions create: the message table and the dashboard's two.
-OUR_TABLES = {"delayed_queue", "delayedq_workers", "delayedq_stats"}
+OUR_TABLES = {"delayed_queue", "delayedq_workers", "delayedq_stats", "delayedq_queue_controls"}
 
 
 # -- helpers -------------------------------------------------------------------------------------

@@ -608,11 +608,13 @@ def test_db_upgrade_and_current(fresh_database: tuple[str, URL]) -> None:
     assert f"{head} (head)" in invoke(u, "db", "current").stdout
     assert "no messages" in invoke(u, "stats").stdout
     tables = set(sa.inspect(sa.create_engine(url, poolclass=sa.NullPool)).get_table_names())
-    # The message table and the dashboard's two, and our own version table (not alembic_version).
+    # The message table, the dashboard's two, the controls and our own version table (not
+    # alembic_version).
     assert tables == {
         "delayed_queue",
         "delayedq_workers",
         "delayedq_stats",
+        "delayedq_queue_controls",
         "alembic_version_sqla_delayedq",
     }
 
@@ -637,6 +639,7 @@ def test_db_upgrade_refuses_a_table_another_history_created(tmp_path: Path) -> N
         "delayed_queue",
         "delayedq_workers",
         "delayedq_stats",
+        "delayedq_queue_controls",
     }
 
 

@@ -4,6 +4,7 @@ and a global rate limit, on every backend, through the queue API and both worker
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import threading
@@ -319,3 +320,53 @@ def test_a_resume_from_another_process_wakes_an_idle_worker_through_notify(pg):
         resumed = time.monotonic()
         assert wait_for(lambda: bool(handled), 5)
     assert handled[0] - resumed < 0.5
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+
+def test_the_cli_pauses_limits_lists_and_resumes(backend):
+    from tests.test_cli import invoke, url_of
+
+    u = url_of(backend.url)
+    q: DelayedQueue[Any] = DelayedQueue("jobs")
+    assert invoke(u, "pause", "-q", "jobs").stdout == "jobs: paused\n"
+    with backend.Session() as s:
+        assert q.controls(s).paused
+    result = invoke(u, "limit", "-q", "jobs", "--max-in-flight", "3", "--rate", "50/2s")
+    assert result.stdout == "jobs: paused, at most 3 in flight, at most 50 per 2 s\n"
+    assert json.loads(invoke(u, "controls", "--json").stdout) == {
+        "jobs": {
+            "paused": True,
+            "max_in_flight": 3,
+            "rate": {"count": 50, "period_seconds": 2.0},
+        }
+    }
+    assert invoke(u, "resume", "-q", "jobs").exit_code == 0
+    assert invoke(u, "limit", "-q", "jobs", "--no-rate").exit_code == 0
+    with backend.Session() as s:
+        assert q.controls(s) == QueueControls(max_in_flight=3)
+    assert invoke(u, "limit", "-q", "jobs", "--no-max-in-flight").exit_code == 0
+    assert invoke(u, "controls").stdout == "every queue is plain: none paused or limited\n"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("limit", "-q", "jobs", "--rate", "5x"), "COUNT/PERIOD"),
+        (("limit", "-q", "jobs", "--rate", "5/0s"), "period"),
+        (("limit", "-q", "jobs", "--max-in-flight", "0"), "positive integer"),
+        (("limit", "-q", "jobs"), "at least one of"),
+        (("limit", "-q", "jobs", "--rate", "5/s", "--no-rate"), "not both"),
+        (("pause",), "--queue"),
+    ],
+)
+def test_the_cli_refuses_bad_controls_and_changes_nothing(backend, args, message):
+    from tests.test_cli import invoke, url_of
+
+    u = url_of(backend.url)
+    result = invoke(u, *args)
+    assert result.exit_code == 2
+    assert message in result.stderr
+    with backend.Session() as s:
+        assert DelayedQueue("jobs").controls(s) == QueueControls()

@@ -9,7 +9,10 @@ from collections import Counter
 from typing import Any
 
 from sqla_delayedq import DelayedQueue
-from tests.test_worker_processes import QUEUE, offer, started_workers, supervise  # noqa: F401
+from tests import test_worker_processes as processes
+from tests.test_worker_processes import QUEUE, offer, started_workers
+
+supervise = processes.supervise  # the fixture: a ``delayedq worker -p N`` subprocess
 
 LEASE = 60.0
 

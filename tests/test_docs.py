@@ -45,6 +45,7 @@ PAGES = [
     "docs/entity-queues.md",
     "docs/testing.md",
     "docs/payloads.md",
+    "docs/controls.md",
 ]
 
 FENCE = re.compile(r"^```(\S*)[ \t]*(.*?)[ \t]*$")

@@ -918,3 +918,29 @@ def test_an_entity_envelope_is_the_frozen_envelope_of_messages(
     assert (envelope.queue, envelope.key) == ("eq_orders", str(envelope.id))
     with pytest.raises(AttributeError):
         envelope.attempt = 2  # type: ignore[misc]
+
+
+def test_an_entity_queue_obeys_pause_and_its_in_flight_limit(
+    db: Backend, queue: EntityQueue[Order]
+) -> None:
+    ids = add_orders(db.Session, 5)
+    with db.Session() as s, s.begin():
+        for order_id in ids:
+            order = s.get(Order, order_id)
+            assert order is not None
+            queue.schedule(s, order)
+        queue.pause(s)
+    with db.Session() as s, s.begin():
+        assert queue.try_poll_many(s, 5) == []
+        assert queue.process_one(s, lambda env, sess: None) is None
+    with db.Session() as s, s.begin():
+        queue.resume(s)
+        queue.set_limits(s, max_in_flight=2)
+    with db.Session() as s, s.begin():
+        taken = queue.try_poll_many(s, 5)
+    assert len(taken) == 2
+    with db.Session() as s, s.begin():
+        assert queue.try_poll_many(s, 5) == []
+        assert queue.ack(s, taken[0])
+    with db.Session() as s, s.begin():
+        assert len(queue.try_poll_many(s, 5)) == 1

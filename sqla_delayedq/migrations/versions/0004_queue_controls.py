@@ -44,7 +44,7 @@ def upgrade() -> None:
         "delayedq_queue_controls",
         sa.Column("table_name", sa.String(100), nullable=False),
         sa.Column("queue", exact_string(100), nullable=False),
-        sa.Column("paused", sa.Boolean(), server_default=sa.false(), nullable=False),
+        sa.Column("paused", sa.Boolean(), nullable=False),
         sa.Column("max_in_flight", sa.Integer(), nullable=True),
         sa.Column("rate_limit", sa.Integer(), nullable=True),
         sa.Column("rate_period", sa.Float(), nullable=True),
