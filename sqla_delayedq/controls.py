@@ -28,12 +28,13 @@ import logging
 import math
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
-from sqlalchemy import insert, select, update
+from sqlalchemy import Engine, insert, select, update
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.orm import Session
 
@@ -119,17 +120,13 @@ def _controls(row: Any) -> QueueControls:
     return QueueControls(bool(row.paused), row.max_in_flight, row.rate_limit, period)
 
 
-def _key(session: Session, table: str) -> tuple[str, str]:
-    bind = session.get_bind()
-    return (str(bind.engine.url), table)
-
-
 # -- the per-process picture ------------------------------------------------------------------
 
 _lock = threading.Lock()
-#: (engine url, table) -> (monotonic time read, {queue: controls} of the controlled queues,
-#: or None when the table is missing).
-_cache: dict[tuple[str, str], tuple[float, dict[str, QueueControls] | None]] = {}
+#: engine -> table -> (monotonic time read, {queue: controls} of the controlled queues, or None
+#: when the table is missing).
+_cache: weakref.WeakKeyDictionary[Engine, dict[str, tuple[float, dict[str, QueueControls] | None]]]
+_cache = weakref.WeakKeyDictionary()
 
 
 def keep_fresh(seconds: float) -> None:
@@ -143,8 +140,11 @@ def keep_fresh(seconds: float) -> None:
 def invalidate(table: str | None = None) -> None:
     """Forget what this process knows of ``table``'s controls (every table: None)."""
     with _lock:
-        for key in [k for k in _cache if table is None or k[1] == table]:
-            del _cache[key]
+        for tables in _cache.values():
+            if table is None:
+                tables.clear()
+            else:
+                tables.pop(table, None)
 
 
 def lookup(session: Session, table: str, queue: str) -> QueueControls | None:
@@ -153,10 +153,10 @@ def lookup(session: Session, table: str, queue: str) -> QueueControls | None:
     Reads every controlled queue of ``table`` at most every :data:`REFRESH` seconds, inside a
     savepoint of the session's transaction (a database without the table loses nothing).
     """
-    key = _key(session, table)
+    engine = session.get_bind().engine
     now = time.monotonic()
     with _lock:
-        entry = _cache.get(key)
+        entry = _cache.get(engine, {}).get(table)
     if entry is not None:
         read_at, queues = entry
         age = MISSING_RECHECK if queues is None else REFRESH
@@ -164,7 +164,7 @@ def lookup(session: Session, table: str, queue: str) -> QueueControls | None:
             return None if queues is None else queues.get(queue)
     queues = _read_table(session, table)
     with _lock:
-        _cache[key] = (now, queues)
+        _cache.setdefault(engine, {})[table] = (now, queues)
     return None if queues is None else queues.get(queue)
 
 
