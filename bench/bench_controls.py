@@ -1,0 +1,220 @@
+"""Queue controls: what each costs, and that the plain path is unchanged.
+
+    python -m bench.bench_controls                     # PostgreSQL, 3 rounds
+    python -m bench.bench_controls --backends postgresql,mariadb --runs 5 --n 4000
+    python -m bench.bench_controls --only plain        # also runs on a tree without controls
+
+In process (label: the producer fills the table before the drain, the worker runs in this
+process): a thread worker with 4 threads drains ``--n`` due messages in lease mode, the
+handler does nothing, for each setting in turn, alternating settings within each round so
+drift on a shared machine hits all of them:
+
+- **plain**: no controls row (the path every queue took before controls existed);
+- **limit 1000**: ``max_in_flight=1000``, a limit that never binds: the cost of the limited
+  take (lock the controls row, count the leases running) alone;
+- **in flight 3**: ``max_in_flight=3``, handlers of 2 ms: the rate under a binding limit, and
+  the peak in flight seen by the handlers (never above 3);
+- **rate 500/s**: ``rate=(500, 1 s)``: the achieved rate, and the most takes seen in any
+  1-second window;
+- **resume latency** (PostgreSQL's ``NOTIFY``): an idle worker with a 30 s poll interval, its
+  queue paused with 100 messages due; the time from the resume's commit to the first handler.
+
+It prints a table (median, min and max over the rounds) and ``--json`` writes the figures. No
+timed assertion anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.engine import URL
+from sqlalchemy.orm import sessionmaker
+
+from ._env import fresh_database, truncate
+
+QUEUE = "controls"
+SETTINGS = ("plain", "limit 1000", "in flight 3", "rate 500/s")
+
+
+def _limits(setting: str) -> dict[str, Any] | None:
+    return {
+        "plain": None,
+        "limit 1000": {"max_in_flight": 1000},
+        "in flight 3": {"max_in_flight": 3},
+        "rate 500/s": {"rate": (500, timedelta(seconds=1))},
+    }[setting]
+
+
+def _fill(sessions: Any, queue: Any, n: int) -> None:
+    now = datetime.now(timezone.utc)
+    for start in range(0, n, 5000):
+        with sessions.begin() as s:
+            queue.offer_batch(
+                s, [(f"m{i}", {"i": i}, now) for i in range(start, min(n, start + 5000))]
+            )
+
+
+def drain(url: URL, setting: str, n: int) -> dict[str, float]:
+    """One drain of ``n`` messages under ``setting``: rate, peak in flight, busiest second."""
+    from sqla_delayedq import DelayedQueue, create_engine
+    from sqla_delayedq.worker import Worker
+
+    truncate(url)
+    engine = create_engine(url, pool_size=8)
+    sessions = sessionmaker(engine)
+    queue: DelayedQueue[Any] = DelayedQueue(QUEUE)
+    limits = _limits(setting)
+    with sessions.begin() as s:
+        if limits is not None:
+            queue.set_limits(s, **limits)
+        elif hasattr(queue, "set_limits"):
+            queue.set_limits(s, max_in_flight=None, rate=None)
+    _fill(sessions, queue, n)
+    lock = threading.Lock()
+    state = {"running": 0, "peak": 0}
+    takes: list[float] = []
+
+    work = 0.002 if setting == "in flight 3" else 0.0  # long enough for handlers to overlap
+
+    def handler(env: Any) -> None:
+        with lock:
+            state["running"] += 1
+            state["peak"] = max(state["peak"], state["running"])
+            takes.append(env.lease_until.timestamp())
+        if work:
+            time.sleep(work)
+        with lock:
+            state["running"] -= 1
+
+    worker = Worker(sessions, concurrency=4, poll_interval=0.05, listen=False)
+    worker.register(queue, handler)
+    started = time.perf_counter()
+    worker.start()
+    deadline = time.monotonic() + 600
+    while len(takes) < n and time.monotonic() < deadline:
+        time.sleep(0.002)
+    took = time.perf_counter() - started
+    worker.stop(5)
+    engine.dispose()
+    if len(takes) < n:
+        raise RuntimeError(f"{setting}: only {len(takes)} of {n} handled")
+    takes.sort()
+    busiest, j = 0, 0
+    for i, t in enumerate(takes):
+        while j < len(takes) and takes[j] <= t + 1.0:
+            j += 1
+        busiest = max(busiest, j - i)
+    return {"rate": n / took, "peak_in_flight": state["peak"], "busiest_second": busiest}
+
+
+def resume_latency(url: URL) -> float:
+    """Seconds from a resume's commit to the first handler start (PostgreSQL's NOTIFY)."""
+    from sqla_delayedq import DelayedQueue, create_engine
+    from sqla_delayedq.worker import Worker
+
+    truncate(url)
+    engine = create_engine(url, pool_size=8)
+    sessions = sessionmaker(engine)
+    queue: DelayedQueue[Any] = DelayedQueue(QUEUE)
+    with sessions.begin() as s:
+        queue.set_limits(s, max_in_flight=None, rate=None)
+        queue.pause(s)
+    _fill(sessions, queue, 100)
+    first: list[float] = []
+    worker = Worker(sessions, concurrency=4, poll_interval=30)
+    worker.register(queue, lambda env: first.append(time.perf_counter()))
+    worker.start()
+    time.sleep(1.0)
+    with sessions.begin() as s:
+        queue.resume(s)
+    resumed = time.perf_counter()
+    deadline = time.monotonic() + 10
+    while not first and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    worker.stop(5)
+    engine.dispose()
+    if not first:
+        raise RuntimeError("no message handled within 10 s of the resume")
+    return first[0] - resumed
+
+
+def run(
+    backends: list[str], settings: list[str], runs: int, n: int, resume: bool
+) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for backend in backends:
+            per: dict[str, list[dict[str, float]]] = {s: [] for s in settings}
+            latencies: list[float] = []
+            with fresh_database(backend, Path(tmp)) as url:
+                for r in range(runs):
+                    order = settings if r % 2 == 0 else list(reversed(settings))
+                    for setting in order:
+                        per[setting].append(drain(url, setting, n))
+                    if backend == "postgresql" and resume:
+                        latencies.append(resume_latency(url))
+            results[backend] = {
+                s: {k: _stats([m[k] for m in ms]) for k in ms[0]} for s, ms in per.items()
+            }
+            if latencies:
+                results[backend]["resume latency"] = {"seconds": _stats(latencies)}
+    return results
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _row(label: str, figures: dict[str, dict[str, float]], fmt: Callable[[str, float], str]) -> str:
+    cells = [
+        f"{fmt(k, v['median'])} ({fmt(k, v['min'])}–{fmt(k, v['max'])})" for k, v in figures.items()
+    ]
+    return f"| {label} | " + " | ".join(cells) + " |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--backends", default="postgresql")
+    parser.add_argument("--only", default=",".join(SETTINGS), help="settings to run")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--n", type=int, default=4000, help="messages per drain")
+    parser.add_argument("--no-resume", action="store_true", help="skip the resume latency")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    settings = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = [s for s in settings if s not in SETTINGS]
+    if unknown:
+        parser.error(f"unknown settings {unknown}; choose from {', '.join(SETTINGS)}")
+    resume = not args.no_resume and settings == list(SETTINGS)
+    results = run(args.backends.split(","), settings, args.runs, args.n, resume)
+
+    def fmt(key: str, value: float) -> str:
+        return f"{value:,.0f}" if key != "seconds" else f"{value * 1000:.1f} ms"
+
+    for backend, figures in results.items():
+        print(f"\n{backend}, in process, {args.n} messages per drain, {args.runs} rounds")
+        print("| setting | msg/s | peak in flight | busiest second |")
+        print("|---|---|---|---|")
+        for setting, f in figures.items():
+            if setting == "resume latency":
+                print(
+                    f"\nresume to first handler (NOTIFY): {fmt('seconds', f['seconds']['median'])}"
+                    f" (min {fmt('seconds', f['seconds']['min'])}, max {fmt('seconds', f['seconds']['max'])})"
+                )
+            else:
+                print(_row(setting, f, fmt))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
