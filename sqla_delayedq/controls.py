@@ -129,12 +129,17 @@ _cache: weakref.WeakKeyDictionary[Engine, dict[str, tuple[float, dict[str, Queue
 _cache = weakref.WeakKeyDictionary()
 
 
+#: The shortest :data:`REFRESH` a worker can ask for: a refresh is a savepoint and a select.
+MIN_REFRESH = 0.2
+
+
 def keep_fresh(seconds: float) -> None:
-    """Read the controls at least every ``seconds`` in this process (a worker asks for its poll
-    interval, so a pause reaches it within one interval even without ``NOTIFY``)."""
+    """Read the controls at least every ``seconds`` (not under :data:`MIN_REFRESH`) in this
+    process: a worker asks for its poll interval, so a pause reaches it within one interval even
+    without ``NOTIFY``."""
     global REFRESH
     with _lock:
-        REFRESH = min(REFRESH, seconds)
+        REFRESH = min(REFRESH, max(seconds, MIN_REFRESH))
 
 
 def invalidate(table: str | None = None) -> None:
