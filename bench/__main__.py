@@ -7,6 +7,7 @@ workloads through sqla_delayedq only. Results go to ``bench/results.json`` and a
     python -m bench                       # everything, synchronous_commit as configured (on)
     python -m bench --sync-commit off     # also repeat PostgreSQL with synchronous_commit=off
     python -m bench --only E1,C1 --scale 0.2 --backends postgresql
+    python -m bench --only CTRL          # the queue controls only (bench/bench_controls.py)
 """
 
 from __future__ import annotations
@@ -309,12 +310,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--scale", type=float, default=1.0, help="fraction of the standard sizes")
-    parser.add_argument("--only", default="E0,E1,E2,C1,C2,L1,L1X")
+    parser.add_argument("--only", default="E0,E1,E2,C1,C2,L1,L1X,CTRL")
     parser.add_argument("--backends", default="postgresql,mariadb,sqlite")
     parser.add_argument("--sync-commit", choices=["on", "off", "both"], default="both")
     parser.add_argument("--output", default=str(Path(__file__).with_name("results.json")))
     args = parser.parse_args(argv)
     workloads = [w.strip().upper() for w in args.only.split(",") if w.strip()]
+    controls = "CTRL" in workloads  # queue controls: bench/bench_controls.py
+    workloads = [w for w in workloads if w != "CTRL"]
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     report: dict[str, Any] = {
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -328,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         "postgresql": {},
     }
     with tempfile.TemporaryDirectory() as tmp:
-        if "postgresql" in backends:
+        if workloads and "postgresql" in backends:
             modes = ["on", "off"] if args.sync_commit == "both" else [args.sync_commit]
             for sync in modes:
                 print(f"PostgreSQL, synchronous_commit={sync}", flush=True)
@@ -336,14 +339,25 @@ def main(argv: list[str] | None = None) -> int:
                     workloads, args.runs, args.scale, sync, Path(tmp)
                 )
         for backend in ("mariadb", "sqlite"):
-            if backend in backends:
+            if workloads and backend in backends:
                 print(backend, flush=True)
                 report[backend] = run_ours_only(
                     backend, workloads, args.runs, args.scale, Path(tmp)
                 )
+        if controls:
+            from . import bench_controls
+
+            servers = [b for b in ("postgresql", "mariadb") if b in backends]
+            n = max(500, int(4000 * args.scale))
+            print("queue controls", flush=True)
+            report["controls"] = bench_controls.run(
+                servers, list(bench_controls.SETTINGS), args.runs, n, "postgresql" in servers
+            )
     Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
     print()
     print(table(report))
+    if controls:
+        print(bench_controls.report(report["controls"], n, args.runs))
     print(f"\nwrote {args.output}")
     return 0
 

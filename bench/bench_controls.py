@@ -181,6 +181,31 @@ def _row(label: str, figures: dict[str, dict[str, float]], fmt: Callable[[str, f
     return f"| {label} | " + " | ".join(cells) + " |"
 
 
+def report(results: dict[str, Any], n: int, runs: int) -> str:
+    """The printed tables of :func:`run`'s results."""
+
+    def fmt(key: str, value: float) -> str:
+        return f"{value:,.0f}" if key != "seconds" else f"{value * 1000:.1f} ms"
+
+    lines: list[str] = []
+    for backend, figures in results.items():
+        lines += [
+            f"\nQueue controls, {backend}, in process, {n} messages per drain, {runs} rounds",
+            "| setting | msg/s | peak in flight | busiest second |",
+            "|---|---|---|---|",
+        ]
+        for setting, f in figures.items():
+            if setting != "resume latency":
+                lines.append(_row(setting, f, fmt))
+        if "resume latency" in figures:
+            sec = figures["resume latency"]["seconds"]
+            lines.append(
+                f"\nresume to first handler (NOTIFY): {fmt('seconds', sec['median'])}"
+                f" (min {fmt('seconds', sec['min'])}, max {fmt('seconds', sec['max'])})"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backends", default="postgresql")
@@ -196,22 +221,7 @@ def main() -> None:
         parser.error(f"unknown settings {unknown}; choose from {', '.join(SETTINGS)}")
     resume = not args.no_resume and settings == list(SETTINGS)
     results = run(args.backends.split(","), settings, args.runs, args.n, resume)
-
-    def fmt(key: str, value: float) -> str:
-        return f"{value:,.0f}" if key != "seconds" else f"{value * 1000:.1f} ms"
-
-    for backend, figures in results.items():
-        print(f"\n{backend}, in process, {args.n} messages per drain, {args.runs} rounds")
-        print("| setting | msg/s | peak in flight | busiest second |")
-        print("|---|---|---|---|")
-        for setting, f in figures.items():
-            if setting == "resume latency":
-                print(
-                    f"\nresume to first handler (NOTIFY): {fmt('seconds', f['seconds']['median'])}"
-                    f" (min {fmt('seconds', f['seconds']['min'])}, max {fmt('seconds', f['seconds']['max'])})"
-                )
-            else:
-                print(_row(setting, f, fmt))
+    print(report(results, args.n, args.runs))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 
