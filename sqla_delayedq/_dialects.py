@@ -125,9 +125,6 @@ class Strategy(abc.ABC):
     delete_returning: ClassVar[bool] = True
     #: The lock a poll takes on the rows it picks (None: the backend has no row locks).
     poll_lock: ClassVar[st.Lock] = "update_skip_locked"
-    #: Counts that must see every commit before the transaction's lock was granted read with
-    #: a shared lock (InnoDB's plain reads may use a snapshot taken earlier in the transaction).
-    share_lock_counts: ClassVar[bool] = False
 
     def insert_one(
         self, session: Session, t: Table, row: dict[str, Any], *, notify: str | None = None
@@ -233,6 +230,11 @@ class Strategy(abc.ABC):
     def insert_or_lock(self, t: Table) -> Insert:
         """Insert-if-absent for a row the transaction will then lock ``FOR UPDATE``."""
         return self.insert_ignore(t)
+
+    def snapshot_may_be_old(self, session: Session) -> bool:
+        """Whether a plain read in the session's transaction may miss commits made before the
+        transaction's last lock was granted (it then reads with a shared lock instead)."""
+        return False
 
     def claim(
         self,
@@ -448,7 +450,6 @@ class MySQLStrategy(Strategy):
     delete_returning = False
     offer_lock = None
     batch_lock = None
-    share_lock_counts = True
 
     def insert_one(
         self, session: Session, t: Table, row: dict[str, Any], *, notify: str | None = None
@@ -504,6 +505,12 @@ class MySQLStrategy(Strategy):
         # for the FOR UPDATE that follows deadlock. A no-op ON DUPLICATE KEY UPDATE locks it
         # exclusively instead.
         return mysql.insert(t).on_duplicate_key_update(id=t.c.id)
+
+    def snapshot_may_be_old(self, session: Session) -> bool:
+        """InnoDB's ``REPEATABLE READ`` reads from the snapshot of the transaction's first plain
+        read (our engines run ``READ COMMITTED``, where each read sees every commit)."""
+        level = session.connection().get_isolation_level()
+        return str(level).upper().replace("-", " ") == "REPEATABLE READ"
 
     @classmethod
     def is_transient(cls, exc: BaseException) -> bool:

@@ -146,7 +146,8 @@ class LeasedQueue(abc.ABC, Generic[T]):
         table = self.shape.table.name
 
         def in_flight(now: datetime) -> int:
-            stmt = st.in_flight(self.shape, self.name, now, strategy.share_lock_counts)
+            lock = strategy.snapshot_may_be_old(session)
+            stmt = st.in_flight(self.shape, self.name, now, lock)
             return int(session.execute(stmt).scalar_one())
 
         admission = ctl.admit(session, table, self.name, self.now, n, in_flight)

@@ -264,6 +264,14 @@ def pg(
     yield from _emptied("postgresql", _backend_databases, tmp_path_factory)
 
 
+@pytest.fixture
+def mariadb(
+    _backend_databases: dict[str, Backend], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Backend]:
+    """MariaDB only."""
+    yield from _emptied("mariadb", _backend_databases, tmp_path_factory)
+
+
 @pytest.fixture(params=BACKENDS)
 def fresh_database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, URL]]:
     """An empty database (no tables) on each backend, dropped after the test."""

@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from sqlalchemy.orm import Session
+
 from sqla_delayedq import DelayedQueue, Envelope, InvalidArgument, QueueControls
 from sqla_delayedq.aio import AsyncQueue
 from sqla_delayedq.models import controls_table
@@ -370,3 +372,18 @@ def test_the_cli_refuses_bad_controls_and_changes_nothing(backend, args, message
     assert message in result.stderr
     with backend.Session() as s:
         assert DelayedQueue("jobs").controls(s) == QueueControls()
+
+
+def test_the_in_flight_limit_holds_for_a_repeatable_read_session_on_mariadb(mariadb):
+    """InnoDB's REPEATABLE READ reads from the snapshot of the transaction's first read: a
+    take whose transaction read before another consumer's take committed must still count
+    that lease (it reads the count with a shared lock)."""
+    q: DelayedQueue[Any] = DelayedQueue("repeatable")
+    with mariadb.Session() as s, s.begin():
+        q.set_limits(s, max_in_flight=1)
+    offer_many(mariadb, q, 3)
+    rr = mariadb.engine.execution_options(isolation_level="REPEATABLE READ")
+    with Session(rr) as late, late.begin():
+        assert q.counts(late).due == 3  # the snapshot is taken here
+        assert len(poll(mariadb, q, 3)) == 1  # another consumer takes the one allowed
+        assert q.try_poll_many(late, 3) == []
