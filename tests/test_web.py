@@ -3,7 +3,8 @@
 Every endpoint renders; bad input (malformed filters, unknown queues and states, huge or negative
 page positions, bad limits) gets a 4xx page that says what is wrong, never a 500; no page without
 authorization; actions are POSTs that need the CSRF token, the same origin and ``actions=True``;
-payloads are escaped; bulk actions run in chunks with progress.
+payloads are escaped; bulk actions run in chunks with progress; queue controls are shown where
+queues are listed and changed by the same kind of POST.
 """
 
 from __future__ import annotations
