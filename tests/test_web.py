@@ -3,7 +3,8 @@
 Every endpoint renders; bad input (malformed filters, unknown queues and states, huge or negative
 page positions, bad limits) gets a 4xx page that says what is wrong, never a 500; no page without
 authorization; actions are POSTs that need the CSRF token, the same origin and ``actions=True``;
-payloads are escaped; bulk actions run in chunks with progress.
+payloads are escaped; bulk actions run in chunks with progress; queue controls are shown where
+queues are listed and changed by the same kind of POST.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ import sqlalchemy as sa
 from click.testing import CliRunner
 from sqlalchemy import event
 
-from sqla_delayedq import DelayedQueue, ExponentialBackoff
+from sqla_delayedq import DelayedQueue, ExponentialBackoff, QueueControls, controls
 from sqla_delayedq.entity import EntityQueue
 from sqla_delayedq.errors import InvalidArgument
-from sqla_delayedq.models import stats_table, workers_table
+from sqla_delayedq.models import controls_table, stats_table, workers_table
 from sqla_delayedq.worker import Worker
 from tests.entity_app.models import Base as EntityBase
 from tests.entity_app.models import Order
@@ -716,6 +717,254 @@ def test_bulk_drop_and_process_now(backend: Backend, client: TestClient) -> None
     with backend.Session() as s:
         counts = q.counts(s)
         assert (counts.due, counts.scheduled) == (3, 0)
+
+
+# -- queue controls ------------------------------------------------------------------------------
+
+
+def badges(html: str) -> list[str]:
+    return re.findall(r'<span class="control [\w-]+">([^<]*)</span>', html)
+
+
+def row_of(html: str, queue: str) -> str:
+    found = re.search(rf'<tr data-queue="{queue}".*?</tr>', html, re.S)
+    assert found is not None, queue
+    return found.group(0)
+
+
+def steer(client: TestClient, op: str, queue: str = "emails", **fields: Any) -> Any:
+    data = {"csrf": csrf_of(client), "op": op, "table": "delayed_queue", "queue": queue}
+    return client.post(
+        "/controls", data={**data, **fields}, headers={"origin": ORIGIN}, follow_redirects=False
+    )
+
+
+def controls_of(backend: Backend, q: DelayedQueue[Any]) -> QueueControls:
+    with backend.Session() as s:
+        return q.controls(s)
+
+
+def test_the_controls_of_each_queue_are_shown_where_queues_are_listed(
+    backend: Backend, client: TestClient
+) -> None:
+    for name in ("emails", "reports", "plain"):
+        offer(backend, queue(name), 1)
+    with backend.Session() as s, s.begin():
+        queue("emails").pause(s)
+        queue("reports").set_limits(s, max_in_flight=3, rate=(50, timedelta(seconds=2)))
+        queue("quiet").pause(s)  # no message: listed all the same, so it can be resumed
+        queue("resumed").pause(s)
+        queue("resumed").resume(s)  # plain again, and empty: not listed
+    html = client.get("/").text
+    assert re.findall(r'<tr data-queue="(\w+)"', html) == ["emails", "plain", "quiet", "reports"]
+    assert badges(row_of(html, "emails")) == ["paused"]
+    assert badges(row_of(html, "reports")) == ["≤ 3 in flight", "≤ 50 per 2 s"]
+    assert badges(row_of(html, "plain")) == []
+    assert 'class="resume"' in row_of(html, "emails") and 'class="pause"' in row_of(html, "plain")
+    assert badges(client.get("/fragments/overview").text) == [
+        "paused",
+        "paused",
+        "≤ 3 in flight",
+        "≤ 50 per 2 s",
+    ]
+    page = client.get("/messages?table=delayed_queue&queue=reports").text
+    header = re.search(r"<h1>.*?</h1>", page, re.S)
+    assert header is not None and badges(header.group(0)) == ["≤ 3 in flight", "≤ 50 per 2 s"]
+    assert 'name="max_in_flight" id="max_in_flight" min="1" step="1" value="3"' in page
+    assert 'id="rate_period" min="0" step="any" value="2"' in page
+    quiet = client.get("/messages?table=delayed_queue&queue=quiet")
+    assert quiet.status_code == 200 and badges(quiet.text) == ["paused"]
+    assert client.get("/messages?table=delayed_queue&queue=resumed").status_code == 200
+    plain = client.get("/messages?table=delayed_queue&queue=plain").text
+    assert badges(plain) == [] and 'class="pause"' in plain
+
+
+def test_pause_and_resume_by_post_change_the_queues_controls(backend: Backend) -> None:
+    q = queue()
+    offer(backend, q, 2)
+    board = dashboard(backend.Session, token=TOKEN, actions=True, counts_ttl=3600)
+    client = client_for(board)
+    assert badges(client.get("/").text) == []  # a snapshot the change must not leave stale
+    response = steer(client, "pause")
+    assert response.status_code == 303
+    assert response.headers["location"] == "/messages?table=delayed_queue&queue=emails"
+    assert controls_of(backend, q) == QueueControls(paused=True)
+    with backend.Session() as s, s.begin():
+        assert q.try_poll_many(s, 2) == []  # workers obey it
+    assert badges(row_of(client.get("/").text, "emails")) == ["paused"]  # recounted at once
+    response = steer(client, "resume", next="/?seen=1")
+    assert response.status_code == 303 and response.headers["location"] == "/?seen=1"
+    assert controls_of(backend, q) == QueueControls()
+    assert badges(client.get("/").text) == []
+    outside = steer(client, "pause", next="//evil.example")
+    assert outside.headers["location"] == "/messages?table=delayed_queue&queue=emails"
+    board.data.close()
+
+
+def test_limits_are_set_kept_and_cleared_by_post(backend: Backend, client: TestClient) -> None:
+    q = queue()
+    offer(backend, q, 1)
+    with backend.Session() as s, s.begin():
+        q.pause(s)
+    response = steer(client, "limits", max_in_flight="3", rate_count="50", rate_period="2")
+    assert response.status_code == 303
+    limited = QueueControls(True, 3, 50, timedelta(seconds=2))
+    assert controls_of(backend, q) == limited
+    assert steer(client, "limits", rate_count=" 10 ", rate_period="0.5").status_code == 303
+    assert controls_of(backend, q) == QueueControls(True, 3, 10, timedelta(milliseconds=500))
+    page = client.get("/messages?table=delayed_queue&queue=emails").text
+    assert badges(page) == ["paused", "≤ 3 in flight", "≤ 10 per 0.5 s"]
+    assert 'id="rate_period" min="0" step="any" value="0.5"' in page
+    cleared = steer(client, "limits", max_in_flight="", rate_count="", rate_period="")
+    assert cleared.status_code == 303
+    assert controls_of(backend, q) == QueueControls(paused=True)
+
+
+BAD_LIMITS = [
+    ({"max_in_flight": "0"}, "max_in_flight must be between 1 and 2147483647"),
+    ({"max_in_flight": "-3"}, "max_in_flight must be between 1 and 2147483647"),
+    ({"max_in_flight": "2147483648"}, "max_in_flight must be between 1 and 2147483647"),
+    ({"max_in_flight": "9" * 5000}, "max_in_flight must be between 1 and 2147483647"),
+    ({"max_in_flight": "1.5"}, "max_in_flight must be a whole number, got '1.5'"),
+    ({"max_in_flight": "1e3"}, "max_in_flight must be a whole number"),
+    ({"max_in_flight": "three"}, "max_in_flight must be a whole number"),
+    ({"rate_count": "5", "rate_period": ""}, "needs both rate_count and rate_period"),
+    ({"rate_count": "", "rate_period": "5"}, "needs both rate_count and rate_period"),
+    ({"rate_count": "5"}, "needs both rate_count and rate_period"),
+    ({"rate_count": "0", "rate_period": "1"}, "rate_count must be between 1 and"),
+    ({"rate_count": "2.5", "rate_period": "1"}, "rate_count must be a whole number"),
+    ({"rate_count": "5", "rate_period": "0"}, "rate_period must be between 0.001 and 31536000"),
+    ({"rate_count": "5", "rate_period": "-1"}, "rate_period must be between 0.001 and"),
+    ({"rate_count": "5", "rate_period": "1e9"}, "rate_period must be a number of seconds"),
+    ({"rate_count": "5", "rate_period": "nan"}, "rate_period must be a number of seconds"),
+    ({"rate_count": "5", "rate_period": "inf"}, "rate_period must be a number of seconds"),
+    ({"rate_count": "5", "rate_period": "99999999"}, "rate_period must be between 0.001 and"),
+    ({"max_in_flight": "2", "rate_count": "5", "rate_period": "x"}, "rate_period must be a"),
+    ({}, "give max_in_flight, or rate_count and rate_period"),
+]
+
+
+def test_bad_limits_get_a_400_and_change_nothing(backend: Backend, client: TestClient) -> None:
+    q = queue()
+    offer(backend, q, 1)
+    with backend.Session() as s, s.begin():
+        before = q.set_limits(s, max_in_flight=4, rate=(7, 3))
+    for fields, message in BAD_LIMITS:
+        response = steer(client, "limits", **fields)
+        assert response.status_code == 400, (fields, response.text)
+        assert message in error_text(response.text).replace("&#39;", "'"), fields
+    cases = [
+        (steer(client, "explode"), 400, "unknown change 'explode'; use one of: pause, resume"),
+        (steer(client, "pause", queue=""), 400, "missing parameter 'queue'"),
+        (steer(client, "pause", queue="nope"), 404, "unknown queue 'nope'"),
+        (steer(client, "pause", table="nope"), 404, "unknown table 'nope'"),
+        (steer(client, "pause", entity="nope"), 404, "unknown entity queue 'nope'"),
+    ]
+    for response, status, message in cases:
+        assert response.status_code == status, response.text
+        assert message in error_text(response.text).replace("&#39;", "'")
+    assert client.get("/controls").status_code == 405
+    assert controls_of(backend, q) == before
+
+
+def test_controls_changes_need_actions_the_csrf_token_and_the_same_origin(
+    backend: Backend, app: Any
+) -> None:
+    q = queue()
+    offer(backend, q, 1)
+    client = client_for(app)
+    csrf = csrf_of(client)
+    data = {"op": "pause", "table": "delayed_queue", "queue": "emails"}
+
+    def send(fields: dict[str, Any], **headers: str) -> Any:
+        return client.post("/controls", data=fields, headers=headers, follow_redirects=False)
+
+    refused = [
+        send(data, origin=ORIGIN),
+        send({**data, "csrf": "x" * 43}, origin=ORIGIN),
+        send({**data, "csrf": csrf}, origin="http://evil.example"),
+        send({**data, "csrf": csrf}, origin="null"),
+        send({**data, "csrf": csrf}),
+    ]
+    for response in refused:
+        assert response.status_code == 403
+        assert "Refused" in error_text(response.text)
+    anonymous = client_for(app, auth=False)
+    assert anonymous.post("/controls", data=data, headers={"origin": ORIGIN}).status_code == 401
+    read_only = client_for(dashboard(backend.Session, token=TOKEN, counts_ttl=0))
+    response = steer(read_only, "pause")
+    assert response.status_code == 403 and "disabled" in error_text(response.text)
+    assert steer(read_only, "limits", max_in_flight="2").status_code == 403
+    assert controls_of(backend, q) == QueueControls()
+    with backend.Session() as s, s.begin():
+        q.pause(s)
+    for path in ("/", "/messages?table=delayed_queue&queue=emails"):
+        html = read_only.get(path).text
+        assert badges(html) == ["paused"]  # shown, with nothing to change it
+        assert "/controls" not in html and '<form method="post"' not in html
+    assert send({**data, "op": "resume", "csrf": csrf}, origin=ORIGIN).status_code == 303
+
+
+def test_without_the_controls_table_the_pages_show_no_controls(
+    backend: Backend, client: TestClient
+) -> None:
+    q = queue()
+    offer(backend, q, 1)
+    with backend.Session() as s, s.begin():
+        q.pause(s)
+    with backend.engine.begin() as conn:
+        controls_table.drop(conn)
+    try:
+        for path in ["/", "/fragments/overview", "/messages?table=delayed_queue&queue=emails"]:
+            response = client.get(path)
+            assert response.status_code == 200, (path, error_text(response.text))
+            assert 'data-queue="emails"' in response.text or "Queue emails" in response.text
+            assert badges(response.text) == [] and "/controls" not in response.text
+        response = steer(client, "pause")  # a form from before the table went away
+        assert response.status_code == 503
+        assert "delayedq db upgrade" in error_text(response.text)
+    finally:
+        with backend.engine.begin() as conn:
+            controls_table.create(conn)
+        controls.invalidate()
+
+
+def test_entity_queues_show_and_change_their_controls(backend: Backend) -> None:
+    backend.engine.dispose()
+    EntityBase.metadata.drop_all(backend.engine)
+    EntityBase.metadata.create_all(backend.engine)
+    try:
+        orders = EntityQueue(Order)
+        with backend.Session() as s, s.begin():
+            s.add(Order(reference="r0", company_id=1, amount_cents=100))
+            orders.pause(s)
+            orders.set_limits(s, max_in_flight=2)
+        board = dashboard(backend.Session, queues=[orders], token=TOKEN, actions=True)
+        client = client_for(board)
+        for html in (client.get("/").text, client.get("/entities").text):
+            row = re.search(r'<tr data-entity="eq_orders">.*?</tr>', html, re.S)
+            assert row is not None and badges(row.group(0)) == ["paused", "≤ 2 in flight"]
+            assert 'class="resume"' in row.group(0)
+        page = client.get("/entities?name=eq_orders").text
+        assert 'name="entity" value="eq_orders"' in page and 'value="2" placeholder' in page
+        common = {"csrf": csrf_of(client), "entity": "eq_orders"}
+        headers = {"origin": ORIGIN}
+        response = client.post(
+            "/controls", data={**common, "op": "resume"}, headers=headers, follow_redirects=False
+        )
+        assert response.status_code == 303
+        assert response.headers["location"] == "/entities?name=eq_orders"
+        limits = {**common, "op": "limits", "max_in_flight": "", "rate_count": "9"}
+        response = client.post("/controls", data={**limits, "rate_period": "60"}, headers=headers)
+        assert response.status_code == 200
+        with backend.Session() as s:
+            assert orders.controls(s) == QueueControls(
+                rate_limit=9, rate_period=timedelta(seconds=60)
+            )
+        assert badges(client.get("/entities").text) == ["≤ 9 per 60 s"]
+        board.data.close()
+    finally:
+        EntityBase.metadata.drop_all(backend.engine)
 
 
 # -- mounting, the command line, the import ------------------------------------------------------

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from sqla_delayedq import DelayedQueue, ExponentialBackoff
+from sqla_delayedq import DelayedQueue, ExponentialBackoff, QueueControls
 from sqla_delayedq.models import stats_table, workers_table
 from tests.fix_db import Backend, in_ci
 
@@ -392,3 +392,48 @@ def test_a_hostile_payload_is_shown_as_text_and_never_runs(
     except WebDriverException:
         logs = []
     assert not [entry for entry in logs if "pwned" in entry.get("message", "")]
+
+
+def click(browser: WebDriver, css: str) -> None:
+    """Click ``css``, again if the overview's refresh replaced it meanwhile."""
+
+    def clicked(b: WebDriver) -> bool:
+        b.find_element(By.CSS_SELECTOR, css).click()
+        return True
+
+    wait(browser, clicked)
+
+
+def test_pause_limit_and_resume_a_queue(
+    backend: Backend, browser: WebDriver, served: Served
+) -> None:
+    q: DelayedQueue[Any] = DelayedQueue("emails")
+    offer(backend, q, ["a", "b"])
+    offer(backend, DelayedQueue("reports"), ["r"])
+    sign_in(browser, served)
+    row = 'tr[data-queue="emails"]'
+
+    def shown(b: WebDriver, css: str) -> list[str]:
+        return [str(e.text) for e in b.find_elements(By.CSS_SELECTOR, f"{css} .control")]
+
+    assert shown(browser, row) == []
+    click(browser, f"{row} button.pause")
+    wait(browser, lambda b: shown(b, row) == ["paused"])
+    assert shown(browser, 'tr[data-queue="reports"]') == []
+    with backend.Session() as s:
+        assert q.controls(s).paused
+
+    browser.find_element(By.CSS_SELECTOR, f"{row} td a").click()
+    wait(browser, lambda b: shown(b, "#controls") == ["paused"])
+    browser.find_element(By.ID, "max_in_flight").send_keys("3")
+    browser.find_element(By.ID, "set-limits").click()
+    wait(browser, lambda b: shown(b, "#controls") == ["paused", "≤ 3 in flight"])
+    assert "queue=emails" in browser.current_url
+    screenshot(browser, backend, "controls")
+    browser.find_element(By.CSS_SELECTOR, "button.resume").click()
+    wait(browser, lambda b: shown(b, "#controls") == ["≤ 3 in flight"])
+    with backend.Session() as s:
+        assert q.controls(s) == QueueControls(max_in_flight=3)
+    browser.get(served.url("/"))
+    assert shown(browser, row) == ["≤ 3 in flight"]
+    assert browser.find_elements(By.CSS_SELECTOR, f"{row} button.pause")

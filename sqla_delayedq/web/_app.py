@@ -2,9 +2,9 @@
 
 Pages are rendered on the server with Jinja2 (autoescaped); htmx, vendored in ``static/``,
 refreshes the overview and the progress of bulk actions. No page is served without the
-``authorize`` hook's consent or the token; changes are POSTs with a CSRF token and a same-origin
-check, and only when ``actions=True``. Every response carries a Content-Security-Policy that
-allows only the dashboard's own script and stylesheet.
+``authorize`` hook's consent or the token; changes (message actions and queue controls) are POSTs
+with a CSRF token and a same-origin check, and only when ``actions=True``. Every response carries
+a Content-Security-Policy that allows only the dashboard's own script and stylesheet.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import hashlib
 import hmac
 import inspect
 import logging
+import re
 import secrets
 from collections.abc import Awaitable, Callable
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,16 @@ from ._data import (
     describe,
     parse_filter,
 )
-from ._render import bars, compact, human_seconds, payload_views, short, when
+from ._render import (
+    bars,
+    compact,
+    control_labels,
+    human_seconds,
+    number,
+    payload_views,
+    short,
+    when,
+)
 from ._security import security_headers
 
 __all__ = ["Dashboard", "dashboard"]
@@ -55,6 +65,13 @@ HERE = Path(__file__).resolve().parent
 MAX_ID = 2**63 - 1
 MAX_LIMIT = 500
 DEFAULT_LIMIT = 50
+#: The largest in-flight limit or rate count (the columns are 32-bit integers).
+MAX_COUNT = 2**31 - 1
+#: The shortest and the longest rate period, in seconds (a millisecond, a year).
+MIN_PERIOD = 0.001
+MAX_PERIOD = 365 * 86400
+#: What the controls form may ask: pause, resume, or set the limits.
+STEERING = {"pause": True, "resume": False, "limits": None}
 SESSION_COOKIE = "delayedq_session"
 CSRF_COOKIE = "delayedq_csrf"
 STATIC = {
@@ -102,7 +119,14 @@ class Dashboard:
             trim_blocks=True,
             lstrip_blocks=True,
         )
-        self.env.filters.update(when=when, compact=compact, short=short, seconds=human_seconds)
+        self.env.filters.update(
+            when=when,
+            compact=compact,
+            short=short,
+            seconds=human_seconds,
+            controls=control_labels,
+            number=number,
+        )
         routes = [
             Route("/", self.overview),
             Route("/fragments/overview", self.overview_fragment),
@@ -110,6 +134,7 @@ class Dashboard:
             Route("/message", self.message),
             Route("/confirm", self.confirm),
             Route("/actions", self.act, methods=["POST"]),
+            Route("/controls", self.steer, methods=["POST"]),
             Route("/jobs/{id}", self.job),
             Route("/fragments/jobs/{id}", self.job_fragment),
             Route("/workers", self.workers),
@@ -301,6 +326,34 @@ class Dashboard:
             raise InvalidArgument(f"missing parameter {name!r}")
         return str(value)
 
+    @staticmethod
+    def _local(form: Any, default: str) -> str:
+        """The form's ``next`` page when it is one of the dashboard's own, else ``default``."""
+        target = str(form.get("next") or "")
+        if not target.startswith("/") or target.startswith(("//", "/\\")):
+            return default
+        return target
+
+    @staticmethod
+    def _limits(form: Any) -> dict[str, Any]:
+        """``set_limits``'s arguments from the controls form: an empty field removes a limit, a
+        field left out keeps it."""
+        limits: dict[str, Any] = {}
+        if "max_in_flight" in form:
+            limits["max_in_flight"] = count_field(form, "max_in_flight")
+        if "rate_count" in form or "rate_period" in form:
+            count = count_field(form, "rate_count")
+            period = period_field(form, "rate_period")
+            if (count is None) != (period is None):
+                raise InvalidArgument(
+                    "a rate limit needs both rate_count and rate_period (seconds); leave both "
+                    "empty for no rate limit"
+                )
+            limits["rate"] = None if count is None else (count, period)
+        if not limits:
+            raise InvalidArgument("give max_in_flight, or rate_count and rate_period")
+        return limits
+
     def _filter(self, params: Any) -> MessageFilter:
         return parse_filter(
             params.get("state") or None,
@@ -348,6 +401,7 @@ class Dashboard:
             found, more = await run_in_threadpool(
                 self.data.search, table, queue, where, after, limit
             )
+            controls = await run_in_threadpool(self.data.controls, table, queue)
             query = {
                 "table": table,
                 "queue": queue,
@@ -382,6 +436,7 @@ class Dashboard:
                     "filter_query": filter_query,
                     "here": here[len(self.root(request)) :],
                     "now": self.data.now(),
+                    "controls": controls,
                 },
             )
 
@@ -468,14 +523,38 @@ class Dashboard:
                 )
                 self.data.invalidate()
                 log.info("dashboard: %s on %s/%s: %d changed", action, queue, info.key, changed)
-                target = str(form.get("next") or "")
-                if not target.startswith("/") or target.startswith(("//", "/\\")):
-                    target = "/messages?" + urlencode({"table": table, "queue": queue})
-                return RedirectResponse(self.root(request) + target, status_code=303)
+                back = "/messages?" + urlencode({"table": table, "queue": queue})
+                return RedirectResponse(self.root(request) + self._local(form, back), 303)
             where = self._filter(form)
             job = await run_in_threadpool(self.data.start_job, action, table, queue, where)
             log.info("dashboard: %s on %s (%d messages)", action, job.description, job.total)
             return RedirectResponse(self.link(request, f"/jobs/{job.id}"), status_code=303)
+
+        return await self._serve(request, build)
+
+    async def steer(self, request: Request) -> Response:
+        async def build() -> Response:
+            form = await self._check_post(request)
+            op = self._required(form, "op")
+            if op not in STEERING:
+                raise InvalidArgument(
+                    f"unknown change {op[:40]!r}; use one of: {', '.join(STEERING)}"
+                )
+            limits = self._limits(form) if op == "limits" else {}
+            entity = str(form.get("entity") or "")
+            target: str | tuple[str, str]
+            if entity:
+                target, name = entity, entity
+                back = "/entities?" + urlencode({"name": entity})
+            else:
+                table, queue = self._required(form, "table"), self._required(form, "queue")
+                target, name = (table, queue), f"{table}/{queue}"
+                back = "/messages?" + urlencode({"table": table, "queue": queue})
+            result = await run_in_threadpool(self.data.steer, target, STEERING[op], limits)
+            self.data.invalidate()
+            shown = ", ".join(label for _, label in control_labels(result)) or "plain"
+            log.info("dashboard: %s %s: %s", op, name, shown)
+            return RedirectResponse(self.root(request) + self._local(form, back), 303)
 
         return await self._serve(request, build)
 
@@ -516,7 +595,13 @@ class Dashboard:
             params = request.query_params
             name = params.get("name")
             snap = await run_in_threadpool(self.data.overview)
-            context: dict[str, Any] = {"snap": snap, "name": name, "states": ENTITY_STATES}
+            here = "/entities?" + urlencode({"name": name}) if name else "/entities"
+            context: dict[str, Any] = {
+                "snap": snap,
+                "name": name,
+                "states": ENTITY_STATES,
+                "here": here,
+            }
             if name:
                 state = params.get("state") or None
                 after_raw = params.get("after") or None
@@ -574,6 +659,34 @@ class Dashboard:
         return Response(body, media_type=media)
 
 
+def count_field(form: Any, name: str) -> int | None:
+    """A positive whole number of the form (None: left empty)."""
+    raw = str(form.get(name) or "").strip()
+    if not raw:
+        return None
+    if not re.fullmatch(r"[-+]?[0-9]+", raw):
+        raise InvalidArgument(f"{name} must be a whole number, got {raw[:40]!r}")
+    if len(raw) > 12 or not 1 <= int(raw) <= MAX_COUNT:
+        raise InvalidArgument(
+            f"{name} must be between 1 and {MAX_COUNT} (empty: no limit), got {raw[:40]}"
+        )
+    return int(raw)
+
+
+def period_field(form: Any, name: str) -> timedelta | None:
+    """A positive number of seconds of the form (None: left empty)."""
+    raw = str(form.get(name) or "").strip()
+    if not raw:
+        return None
+    if not re.fullmatch(r"[-+]?[0-9]+(\.[0-9]+)?", raw):
+        raise InvalidArgument(f"{name} must be a number of seconds, got {raw[:40]!r}")
+    if len(raw) > 20 or not MIN_PERIOD <= float(raw) <= MAX_PERIOD:
+        raise InvalidArgument(
+            f"{name} must be between {MIN_PERIOD} and {MAX_PERIOD} seconds, got {raw[:40]}"
+        )
+    return timedelta(seconds=float(raw))
+
+
 def database_problem(exc: SQLAlchemyError) -> str:
     """What a page says about a database error: the server's complaint about the schema (a
     missing table or column), never connection details (hosts, users, URLs)."""
@@ -614,7 +727,8 @@ def dashboard(
         (a session, a role). Required unless ``token`` is given.
     :param token: a shared secret instead: ``Authorization: Bearer <token>``, or the login form
         (which sets an HttpOnly cookie).
-    :param actions: allow changes (retry, process now, drop); read-only by default.
+    :param actions: allow changes (retry, process now, drop; pause, resume and limit queues);
+        read-only by default.
     :param queues: more ``DelayedQueue`` / ``EntityQueue`` objects to show.
     :param tables: more message tables (mapped classes with ``QueueMessageMixin``) whose
         queues to show, every queue found in them.

@@ -1,5 +1,5 @@
 """What the dashboard reads and changes, with no web framework: queues, counts, history,
-messages, actions in chunks, workers, cron configurations and entity queues.
+messages, actions in chunks, queue controls, workers, cron configurations and entity queues.
 
 Everything goes through the library's own read and admin side (:mod:`sqla_delayedq._admin`,
 :mod:`sqla_delayedq._filters`, :mod:`sqla_delayedq._cli_stats`), with bound parameters only.
@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -28,11 +28,19 @@ from .._cli_stats import QueueStats, list_queues, queue_stats
 from .._codec import RawCodec
 from .._consumer import BaseWorker
 from .._engine import create_engine, sync_driver_url
+from .._leases import LeasedQueue
 from .._queue import DelayedQueue
 from .._types import MessageFilter, MessageInfo, State
+from ..controls import QueueControls
 from ..entity import EntityCounts, EntityQueue, EntityStatus
 from ..errors import InvalidArgument
-from ..models import DelayedMessage, QueueMessageMixin, stats_table, workers_table
+from ..models import (
+    DelayedMessage,
+    QueueMessageMixin,
+    controls_table,
+    stats_table,
+    workers_table,
+)
 from ..monitor import is_alive
 
 __all__ = [
@@ -112,6 +120,15 @@ class Overview:
     live_workers: int | None
     #: ``time.monotonic()`` when it was taken.
     seconds: float
+    #: The controls of the queues that have a row, by (table, queue); an entity queue's are under
+    #: (its table, its table). None when the controls table is missing.
+    controls: Mapping[tuple[str, str], QueueControls] | None = None
+
+    def control(self, table: str, queue: str) -> QueueControls | None:
+        """The controls of ``queue`` of ``table`` (None: the controls table is missing)."""
+        if self.controls is None:
+            return None
+        return self.controls.get((table, queue), QueueControls())
 
 
 @dataclass
@@ -232,13 +249,22 @@ class Data:
         key = (table, name)
         if key not in self._queues:
             if not known and name not in mt.configured:
-                t = mt.table
                 with self.sessions() as s:
-                    hit = s.execute(select(t.c.id).where(t.c.queue == name).limit(1)).first()
-                if hit is None:
-                    raise NotFound(f"unknown queue {name!r} in table {table!r}")
+                    if not self._exists(s, mt, name):
+                        raise NotFound(f"unknown queue {name!r} in table {table!r}")
             self._queues[key] = RawQueue(name, model=mt.model)
         return self._queues[key]
+
+    def _exists(self, s: Session, mt: MessageTable, name: str) -> bool:
+        """Whether ``name`` holds a message of ``mt`` or has controls (a paused empty queue)."""
+        t = mt.table
+        if s.execute(select(t.c.id).where(t.c.queue == name).limit(1)).first() is not None:
+            return True
+        if not self.has_controls_table(s):
+            return False
+        c = controls_table.c
+        stmt = select(c.queue).where(c.table_name == mt.name, c.queue == name)
+        return s.execute(stmt).first() is not None
 
     def queue_names(self, session: Session, mt: MessageTable) -> list[str]:
         return sorted({*mt.configured, *list_queues(session, mt.table)})
@@ -288,8 +314,10 @@ class Data:
         )
         with self.sessions() as s:
             history = self._history(s, minutes[0])
+            controls = self._controls(s)
             for mt in self.tables.values():
-                names = self.queue_names(s, mt)
+                controlled = [q for (t, q), c in (controls or {}).items() if t == mt.name]
+                names = sorted({*self.queue_names(s, mt), *controlled})
                 stats = queue_stats(s, mt.table, now, names, include_missing=True)
                 retrying = self._retrying(s, mt, names)
                 for st in stats:
@@ -315,6 +343,7 @@ class Data:
             minutes=minutes,
             live_workers=live,
             seconds=time.monotonic(),
+            controls=controls,
         )
 
     def _retrying(self, s: Session, mt: MessageTable, names: Sequence[str]) -> dict[str, int]:
@@ -337,6 +366,22 @@ class Data:
     def has_dashboard_tables(self, s: Session) -> bool:
         names = set(inspect(s.connection()).get_table_names())
         return {workers_table.name, stats_table.name} <= names
+
+    def has_controls_table(self, s: Session) -> bool:
+        return bool(inspect(s.connection()).has_table(controls_table.name))
+
+    def _controls(self, s: Session) -> dict[tuple[str, str], QueueControls] | None:
+        """The paused or limited queues of the dashboard's tables, by (table, queue); None
+        without the controls table (an older schema: every queue is shown plain)."""
+        if not self.has_controls_table(s):
+            return None
+        c = controls_table.c
+        tables = [*self.tables, *(eq.table.name for eq in self.entities.values())]
+        stmt = select(
+            c.table_name, c.queue, c.paused, c.max_in_flight, c.rate_limit, c.rate_period
+        ).where(c.table_name.in_(tables))
+        found = {(str(r.table_name), str(r.queue)): controls_of(r) for r in s.execute(stmt)}
+        return {key: value for key, value in found.items() if not value.plain}
 
     def _history(
         self, s: Session, since: datetime
@@ -479,6 +524,31 @@ class Data:
         """The next overview recounts (after an action)."""
         self._snapshot = None
 
+    # -- queue controls ------------------------------------------------------------------
+
+    def controls(self, table: str, queue: str) -> QueueControls | None:
+        """The controls of a queue as the database holds them; None without the table."""
+        q = self.queue(table, queue)
+        with self.sessions() as s:
+            return q.controls(s) if self.has_controls_table(s) else None
+
+    def steer(
+        self, target: str | tuple[str, str], paused: bool | None, limits: Mapping[str, Any]
+    ) -> QueueControls:
+        """Pause or resume (``paused``) and set ``limits`` (``set_limits``'s arguments) of a
+        queue, ``(table, queue)``, or an entity queue by name, in one transaction."""
+        q: LeasedQueue[Any] = (
+            self.entity(target) if isinstance(target, str) else self.queue(*target)
+        )
+        with self.sessions() as s, s.begin():
+            if paused is True:
+                q.pause(s)
+            elif paused is False:
+                q.resume(s)
+            if limits:
+                q.set_limits(s, **limits)
+            return q.controls(s)
+
     # -- workers, cron, entity queues ----------------------------------------------------
 
     def _worker_rows(self, s: Session) -> list[dict[str, Any]]:
@@ -537,6 +607,11 @@ class Data:
         with self.sessions() as s:
             rows = [tuple(r) for r in s.execute(stmt)]
         return [c.name for c in t.columns], rows[:limit], len(rows) > limit
+
+
+def controls_of(row: Any) -> QueueControls:
+    period = None if row.rate_period is None else timedelta(seconds=row.rate_period)
+    return QueueControls(bool(row.paused), row.max_in_flight, row.rate_limit, period)
 
 
 def entity_state(t: Any, state: str, now: datetime) -> Any:

@@ -8,7 +8,18 @@ import json
 from datetime import datetime, timezone
 from typing import Any
 
-__all__ = ["bars", "compact", "human_seconds", "payload_views", "short", "when"]
+from ..controls import QueueControls
+
+__all__ = [
+    "bars",
+    "compact",
+    "control_labels",
+    "human_seconds",
+    "number",
+    "payload_views",
+    "short",
+    "when",
+]
 
 UTC = timezone.utc
 
@@ -27,6 +38,24 @@ def human_seconds(seconds: float) -> str:
         if len(parts) == 2:
             break
     return " ".join(parts)
+
+
+def number(value: float) -> str:
+    """A number of seconds as typed in a form: ``300``, ``0.5``."""
+    return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
+
+
+def control_labels(c: QueueControls | None) -> list[tuple[str, str]]:
+    """(kind, label) of each control a queue has: paused, its in-flight and its rate limit."""
+    if c is None:
+        return []
+    labels = [("paused", "paused")] if c.paused else []
+    if c.max_in_flight is not None:
+        labels.append(("in-flight", f"≤ {c.max_in_flight} in flight"))
+    if c.rate_limit is not None and c.rate_period is not None:
+        period = number(c.rate_period.total_seconds())
+        labels.append(("rate", f"≤ {c.rate_limit} per {period} s"))
+    return labels
 
 
 def when(value: datetime | None, now: datetime | None = None) -> str:
