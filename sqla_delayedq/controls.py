@@ -51,6 +51,7 @@ __all__ = [
     "QueueControls",
     "admit",
     "change",
+    "from_row",
     "invalidate",
     "keep_fresh",
     "lookup",
@@ -115,7 +116,8 @@ class Admission(NamedTuple):
     now: datetime
 
 
-def _controls(row: Any) -> QueueControls:
+def from_row(row: Any) -> QueueControls:
+    """The controls of a row of ``delayedq_queue_controls`` (any select of its columns)."""
     period = None if row.rate_period is None else timedelta(seconds=row.rate_period)
     return QueueControls(bool(row.paused), row.max_in_flight, row.rate_limit, period)
 
@@ -182,7 +184,7 @@ def _read_table(session: Session, table: str) -> dict[str, QueueControls] | None
     except DBAPIError as exc:
         log.debug("no queue controls on this database (%s): queues are plain", exc.orig)
         return None
-    found = {row.queue: _controls(row) for row in rows}
+    found = {row.queue: from_row(row) for row in rows}
     return {q: c for q, c in found.items() if not c.plain}
 
 
@@ -195,7 +197,7 @@ def read(session: Session, table: str, queue: str) -> QueueControls:
         t.c.table_name == table, t.c.queue == queue
     )
     row = session.execute(stmt).first()
-    return QueueControls() if row is None else _controls(row)
+    return QueueControls() if row is None else from_row(row)
 
 
 def _check_limit(value: Any, what: str) -> int | None:
@@ -284,7 +286,7 @@ def admit(
     now = clock()
     if row is None:
         return Admission(wanted, None, None, QueueControls(), now)
-    controls = _controls(row)
+    controls = from_row(row)
     if controls.paused:
         return Admission(0, None, None, controls, now)
     allowed, wait = wanted, None

@@ -13,7 +13,6 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-
 from sqlalchemy.orm import Session
 
 from sqla_delayedq import DelayedQueue, Envelope, InvalidArgument, QueueControls

@@ -31,7 +31,7 @@ from .._engine import create_engine, sync_driver_url
 from .._leases import LeasedQueue
 from .._queue import DelayedQueue
 from .._types import MessageFilter, MessageInfo, State
-from ..controls import QueueControls
+from ..controls import QueueControls, from_row
 from ..entity import EntityCounts, EntityQueue, EntityStatus
 from ..errors import InvalidArgument
 from ..models import (
@@ -380,7 +380,7 @@ class Data:
         stmt = select(
             c.table_name, c.queue, c.paused, c.max_in_flight, c.rate_limit, c.rate_period
         ).where(c.table_name.in_(tables))
-        found = {(str(r.table_name), str(r.queue)): controls_of(r) for r in s.execute(stmt)}
+        found = {(str(r.table_name), str(r.queue)): from_row(r) for r in s.execute(stmt)}
         return {key: value for key, value in found.items() if not value.plain}
 
     def _history(
@@ -607,11 +607,6 @@ class Data:
         with self.sessions() as s:
             rows = [tuple(r) for r in s.execute(stmt)]
         return [c.name for c in t.columns], rows[:limit], len(rows) > limit
-
-
-def controls_of(row: Any) -> QueueControls:
-    period = None if row.rate_period is None else timedelta(seconds=row.rate_period)
-    return QueueControls(bool(row.paused), row.max_in_flight, row.rate_limit, period)
 
 
 def entity_state(t: Any, state: str, now: datetime) -> Any:
