@@ -32,16 +32,16 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
-from sqlalchemy import Engine, insert, select, update
+from sqlalchemy import Engine, insert, inspect, select, update
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.orm import Session
 
 from . import _wakeup
 from ._dialects import strategy_for
 from ._statements import affected
-from .errors import InvalidArgument
+from .errors import DelayedQueueError, InvalidArgument
 from .models import QUEUE_MAX, controls_table
 
 __all__ = [
@@ -77,6 +77,7 @@ class _Unset:
 
 #: An argument left out of :func:`change`: keep the current value.
 UNSET: Any = _Unset()
+T = TypeVar("T")
 t = controls_table
 
 
@@ -191,12 +192,30 @@ def _read_table(session: Session, table: str) -> dict[str, QueueControls] | None
 # -- reading and changing ---------------------------------------------------------------------
 
 
+MISSING = (
+    "queue controls need the table delayedq_queue_controls (revision delayedq_0004): run "
+    "`delayedq db upgrade` (or `alembic upgrade heads` with sqla_delayedq's revisions)"
+)
+
+
+def _guarded(session: Session, run: Callable[[], T]) -> T:
+    """``run()`` in a savepoint; a missing controls table is a clear error that leaves the
+    session's transaction usable."""
+    try:
+        with session.begin_nested():
+            return run()
+    except DBAPIError as exc:
+        if not inspect(session.connection()).has_table(t.name):
+            raise DelayedQueueError(MISSING) from exc
+        raise
+
+
 def read(session: Session, table: str, queue: str) -> QueueControls:
     """The controls of ``queue`` as the database holds them now."""
     stmt = select(t.c.paused, t.c.max_in_flight, t.c.rate_limit, t.c.rate_period).where(
         t.c.table_name == table, t.c.queue == queue
     )
-    row = session.execute(stmt).first()
+    row = _guarded(session, lambda: session.execute(stmt).first())
     return QueueControls() if row is None else from_row(row)
 
 
@@ -252,7 +271,7 @@ def change(
         values["rate_limit"], values["rate_period"] = _check_rate(rate)
         values["rate_log"] = None
     where = (t.c.table_name == table, t.c.queue == queue)
-    if not affected(session, update(t).where(*where).values(values)):
+    if not _guarded(session, lambda: affected(session, update(t).where(*where).values(values))):
         try:
             with session.begin_nested():
                 row = {"table_name": table, "queue": queue, "paused": False, **values}

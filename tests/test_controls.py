@@ -15,7 +15,13 @@ from typing import Any
 import pytest
 from sqlalchemy.orm import Session
 
-from sqla_delayedq import DelayedQueue, Envelope, InvalidArgument, QueueControls
+from sqla_delayedq import (
+    DelayedQueue,
+    DelayedQueueError,
+    Envelope,
+    InvalidArgument,
+    QueueControls,
+)
 from sqla_delayedq.aio import AsyncQueue
 from sqla_delayedq.models import controls_table
 from tests.fix_workers import running
@@ -190,6 +196,19 @@ def test_a_database_without_the_controls_table_takes_as_before(backend):
             assert len(q.try_poll_many(s, 1)) == 1
             # the failed look-up did not spoil the transaction
             assert len(q.try_poll_many(s, 1)) == 1
+        with backend.Session() as s, s.begin():
+            with pytest.raises(DelayedQueueError, match="delayedq db upgrade"):
+                q.pause(s)
+            with pytest.raises(DelayedQueueError, match="delayedq_0004"):
+                q.controls(s)
+            q.offer(s, "after", {})  # the transaction is still usable, and commits
+        with backend.Session() as s:
+            assert q.contains(s, "after")
+        from tests.test_cli import invoke, url_of
+
+        result = invoke(url_of(backend.url), "pause", "-q", "no-table")
+        assert result.exit_code == 1
+        assert "delayedq db upgrade" in result.stderr and "Traceback" not in result.stderr
     finally:
         controls_table.create(backend.engine)
         controls.invalidate()

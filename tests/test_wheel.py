@@ -175,8 +175,12 @@ def test_db_upgrade_and_current_from_the_wheel(
         venv.run("delayedq", "db", "current", "--url", u, "--json", cwd=workdir).stdout
     )
     assert doc == {"current": [head], "heads": [head], "up_to_date": True}
-    assert "delayed_queue" in tables(url)
+    assert {"delayed_queue", "delayedq_queue_controls"} <= tables(url)
     assert "no messages" in venv.run("delayedq", "stats", "--url", u, cwd=workdir).stdout
+    paused = venv.run("delayedq", "pause", "-q", "jobs", "--url", u, cwd=workdir).stdout
+    assert paused == "jobs: paused\n"
+    listed = venv.run("delayedq", "controls", "--url", u, "--json", cwd=workdir).stdout
+    assert json.loads(listed) == {"jobs": {"paused": True, "max_in_flight": None, "rate": None}}
 
 
 def alembic_project(venv: Venv, project: Path, url: str) -> Path:
