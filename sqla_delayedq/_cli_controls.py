@@ -122,7 +122,7 @@ def limit(
     no_rate: bool,
     as_json: bool,
 ) -> None:
-    """Set or remove a queue's global limits (lease-mode workers obey them)."""
+    """Set or remove a queue's global limits, which every worker obeys."""
     kw: dict[str, Any] = {}
     if max_in_flight is not None and no_max_in_flight:
         raise BadInput("give --max-in-flight or --no-max-in-flight, not both")

@@ -623,10 +623,13 @@ class BaseWorker(Generic[S]):
 
     def _idle(self, session: Session, reg: Registration) -> float | None:
         """After an empty take, in the same transaction: seconds until the next due row (None
-        for a paused queue: its due rows wait for a wake-up or the poll interval)."""
+        for a paused queue: its due rows wait for a wake-up or the poll interval; a limited
+        queue's take may have been held back, so it looks again soon)."""
         gate = reg.source.gate(session)
         if gate is not None and gate.paused:
             return None
+        if gate is not None:  # limited: due rows may be held back; look again soon
+            return min(self.poll_interval, controls.LIMITED_RETRY)
         now = reg.source.now()
         when = reg.source.next_due(session)
         return None if when is None else max(0.0, (when - now).total_seconds())

@@ -23,7 +23,8 @@ from sqlalchemy.orm import Session
 from . import _statements as st
 from . import controls as ctl
 from ._codec import error_text
-from ._dialects import Claimed, Claims, Strategy, strategy_for, transient_as_ours
+from ._dialects import Claimed, Claims, Strategy, is_transient, strategy_for, transient_as_ours
+from ._handlers import call_sync_handler
 from ._rules import after_failure, lease_exhausted, lost_lease_error
 from ._time import Clock, require_aware, require_duration
 from ._types import Envelope, NackOutcome
@@ -32,11 +33,15 @@ from .retry import RetryPolicy
 
 T = TypeVar("T")
 
-__all__ = ["LeasedQueue", "Processed", "check_count"]
+__all__ = ["LeaseLost", "LeasedQueue", "Processed", "check_count"]
 
 #: What transactional processing of one row returns: the envelope, the handler's error (None:
 #: handled and acknowledged in the caller's transaction) and what the failure did.
 Processed = tuple[Envelope[T], BaseException | None, NackOutcome | None]
+
+
+class LeaseLost(Exception):
+    """The handler finished, but its lease was lost meanwhile; nothing was acknowledged."""
 
 
 def check_count(n: Any) -> int:
@@ -211,18 +216,56 @@ class LeasedQueue(abc.ABC, Generic[T]):
         :data:`~sqla_delayedq.controls.REFRESH` seconds ago); None when it is plain."""
         return ctl.lookup(session, self.shape.table.name, self.name)
 
-    def _transactional_gate(self, session: Session) -> bool:
-        """Before a transactional take: False when the queue is paused. A limited queue
-        raises: its limits hold only for leases (see :mod:`sqla_delayedq.controls`)."""
+    def _transactional_gate(self, session: Session) -> str:
+        """Before a transactional take: ``"plain"``, ``"paused"`` or ``"limited"`` (take
+        with :meth:`_limited_take`, so the limits see it)."""
         gate = self.gate(session)
         if gate is None:
-            return True
-        if gate.limited:
-            raise InvalidArgument(
-                f"queue {self.name!r} has a concurrency or rate limit, which only lease-mode "
-                "consumers obey: consume it in lease mode, or remove the limit"
-            )
-        return not gate.paused
+            return "plain"
+        return "paused" if gate.paused else "limited"
+
+    def _limited_take(self, session: Session, n: int) -> list[Envelope[T]]:
+        """A transactional take of a limited queue: a lease, taken under the queue's controls
+        in a transaction of its own that commits at once, so the controls row is not held
+        while the handler runs and the limits count it like any lease. The caller settles it
+        by lock token in its own transaction. SQLite runs one writer at a time, so there the
+        lease is taken in the caller's transaction."""
+        if strategy_for(session).poll_lock is None:
+            return self.poll_batch(session, n).envelopes
+        bind = session.get_bind()
+        with Session(bind=bind.engine, expire_on_commit=False) as side, side.begin():
+            taken = self.poll_batch(side, n).envelopes
+        return [self._adopt(session, e) for e in taken]
+
+    def _adopt(self, session: Session, envelope: Envelope[T]) -> Envelope[T]:
+        """An envelope taken in another session, for use in ``session`` (an entity queue loads
+        its entity there; a message payload is a plain value)."""
+        return envelope
+
+    def _process_leased(
+        self,
+        session: Session,
+        handler: Callable[[Envelope[T], Session], Any],
+        envelope: Envelope[T],
+    ) -> Processed[T]:
+        """Transactional mode for a leased row: ``handler(envelope, session)`` in a savepoint,
+        then the ack in the caller's transaction; a failure rolls the handler's writes back
+        and records the attempt in that transaction instead."""
+        savepoint = session.begin_nested()
+        try:
+            call_sync_handler(handler, envelope, session)
+            session.flush()
+        except Exception as exc:
+            savepoint.rollback()
+            if is_transient(exc):
+                raise
+            return envelope, exc, self.nack(session, envelope, exc)
+        if self.ack(session, envelope):
+            savepoint.commit()
+            return envelope, None, None
+        savepoint.rollback()  # the handler rescheduled or stopped its own row
+        lost = LeaseLost(f"{self.name}/{envelope.key}: the lease was lost before the ack")
+        return envelope, lost, NackOutcome.STALE
 
     def pause(self, session: Session) -> ctl.QueueControls:
         """Stop every consumer of this queue, in every process, from taking (offers are still

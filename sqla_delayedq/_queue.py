@@ -196,8 +196,14 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         rollback, record the failed attempt with :meth:`record_failure` in a new transaction.
         """
         check_count(n)
-        if self.retention is not None:
-            envelopes = self.try_poll_many(session, n)
+        gate = self._transactional_gate(session)
+        if gate == "paused":
+            return []
+        if gate == "limited" or self.retention is not None:
+            if gate == "limited":
+                envelopes = self._limited_take(session, n)
+            else:
+                envelopes = self.try_poll_many(session, n)
             self.ack_many(session, envelopes)
             return [replace(e, lock_token="") for e in envelopes]
         return [envelope for envelope, _ in self._consume_rows(session, n)]
@@ -205,8 +211,6 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
     def _consume_rows(self, session: Session, n: int) -> list[tuple[Envelope[T], Any]]:
         strategy = strategy_for(session)
         taken: list[tuple[Envelope[T], Any]] = []
-        if not self._transactional_gate(session):
-            return taken
         while len(taken) < n:
             now = self.now()
             rows = strategy.consume(session, self.table, self.name, now, n - len(taken))
@@ -268,6 +272,12 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         its retry time: ``(envelope, error, outcome)``. Transient database errors are re-raised
         (roll back and retry: nothing is lost, no attempt is counted). None when nothing is due.
         """
+        gate = self._transactional_gate(session)
+        if gate == "paused":
+            return None
+        if gate == "limited":
+            leased = self._limited_take(session, 1)
+            return self._process_leased(session, handler, leased[0]) if leased else None
         taken = self._consume_rows(session, 1)
         if not taken:
             return None

@@ -15,10 +15,11 @@ on PostgreSQL, by ``NOTIFY`` in every process), so the plain path costs nothing 
   inside the window (time and count per take); a take under the row lock takes at most what
   the window has left, and a consumer that finds it full sleeps until it has room.
 
-Limits are enforced in lease mode (a transactional consumer's take lives as long as its
-handler, so holding the controls row for it would serialise the queue): a transactional take
-of a limited queue raises :class:`~sqla_delayedq.errors.InvalidArgument`. Pause applies to both
-modes. Time is the queues' clock, like every other decision.
+Both consumption modes obey them. A transactional take of a limited queue takes a lease under
+the controls in a short transaction of its own (holding the controls row while the handler runs
+would serialise the queue), then runs the handler and acknowledges by lock token in the
+caller's transaction: the handler's writes and the acknowledgement still commit together, and
+the lease counts in flight until then. Time is the queues' clock, like every other decision.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ Searching and admin are plain SQLAlchemy on your own columns:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from types import SimpleNamespace
 from typing import Any, Final, TypeVar, cast
@@ -57,11 +57,10 @@ from sqlalchemy.orm.attributes import set_committed_value
 from sqlalchemy.sql import ColumnElement, Select
 
 from . import _statements as st
-from ._dialects import Claimed, Claims, Strategy, is_transient, transient_as_ours
-from ._handlers import call_sync_handler
-from ._leases import LeasedQueue, Processed
+from ._dialects import Claimed, Claims, Strategy, transient_as_ours
+from ._leases import LeasedQueue, LeaseLost, Processed
 from ._time import Clock, DateTimeUTC, require_aware, require_duration, system_clock
-from ._types import Delivery, Envelope, NackOutcome
+from ._types import Delivery, Envelope
 from .errors import InvalidArgument
 from .retry import ExponentialBackoff, RetryPolicy
 
@@ -86,10 +85,6 @@ class EntityStatus:
     SUCCEEDED: Final = "succeeded"
     FAILED: Final = "failed"
     ALL: Final = (NEW, SUCCEEDED, FAILED)
-
-
-class LeaseLost(Exception):
-    """The handler finished, but its lease was lost meanwhile; nothing was acknowledged."""
 
 
 class EntityQueueMixin:
@@ -559,6 +554,12 @@ class EntityQueue(LeasedQueue[M]):
         for column, value in values.items():
             set_committed_value(payload, self._attr_of[column], value)
 
+    def _adopt(self, session: Session, envelope: Envelope[M]) -> Envelope[M]:
+        entity = session.get(self.model, envelope.id, populate_existing=True)
+        if entity is None:  # deleted since the take: the ack will find nothing
+            return envelope
+        return replace(envelope, payload=entity)
+
     # -- transactional mode ----------------------------------------------------------------
 
     @transient_as_ours
@@ -574,27 +575,16 @@ class EntityQueue(LeasedQueue[M]):
         outcome)``. A crash rolls everything back and the entity is due again at once.
         Transient database errors are re-raised. None when nothing is due.
         """
-        if not self._transactional_gate(session):
+        gate = self._transactional_gate(session)
+        if gate == "paused":
             return None
-        taken = self.try_poll_many(session, 1)
+        if gate == "limited":
+            taken = self._limited_take(session, 1)
+        else:
+            taken = self.try_poll_many(session, 1)
         if not taken:
             return None
-        envelope = taken[0]
-        savepoint = session.begin_nested()
-        try:
-            call_sync_handler(handler, envelope, session)
-            session.flush()
-        except Exception as exc:
-            savepoint.rollback()
-            if is_transient(exc):
-                raise
-            return envelope, exc, self.nack(session, envelope, exc)
-        if self.ack(session, envelope):
-            savepoint.commit()
-            return envelope, None, None
-        savepoint.rollback()  # the handler rescheduled or stopped its own entity
-        lost = LeaseLost(f"{self.name}/{envelope.key}: the lease was lost before the ack")
-        return envelope, lost, NackOutcome.STALE
+        return self._process_leased(session, handler, taken[0])
 
     # -- read side -------------------------------------------------------------------------
 

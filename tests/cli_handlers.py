@@ -60,3 +60,7 @@ def timed(envelope: Envelope[Any]) -> None:
     _note(f"start {envelope.key} {pid} {time.time():.6f} {envelope.lease_until.timestamp():.6f}")
     time.sleep(float(envelope.payload.get("sleep", 0)))
     _note(f"done {envelope.key} {pid} {time.time():.6f}")
+
+
+def timed_transactional(envelope: Envelope[Any], session: Session) -> None:
+    timed(envelope)

@@ -137,15 +137,59 @@ def test_a_take_capped_by_a_limit_says_when_to_come_back(backend, make_queue):
     assert polled.wait is not None and 0 < polled.wait <= 1
 
 
-def test_transactional_takes_refuse_a_limited_queue(backend, make_queue):
-    q = make_queue("tx-limited")
+def test_transactional_takes_obey_the_rate_limit(backend, make_queue, clock):
+    q = make_queue("tx-rated")
     with backend.Session() as s, s.begin():
-        q.set_limits(s, max_in_flight=1)
-    offer_many(backend, q, 1)
-    with backend.Session() as s, pytest.raises(InvalidArgument, match="lease mode"):
-        q.consume(s, 1)
+        q.set_limits(s, rate=(2, timedelta(seconds=10)))
+    offer_many(backend, q, 4)
+    handled: list[str] = []
+
+    def handler(env: Envelope[Any], session: Any) -> None:
+        handled.append(env.key)
+
+    for _ in range(3):
+        with backend.Session() as s, s.begin():
+            q.process_one(s, handler)
+    assert handled == ["m0000", "m0001"]  # the third take found the window full
+    clock.advance(timedelta(seconds=11))
+    with backend.Session() as s, s.begin():
+        assert len(q.consume(s, 4)) == 2
     with backend.Session() as s:
-        assert q.counts(s).due == 1  # nothing lost
+        assert q.counts(s).pending == 0
+
+
+def test_a_transactional_take_counts_in_flight_until_its_transaction_ends(server_backend):
+    q: DelayedQueue[Any] = DelayedQueue("tx-in-flight")
+    with server_backend.Session() as s, s.begin():
+        q.set_limits(s, max_in_flight=1)
+    offer_many(server_backend, q, 3)
+    with server_backend.Session() as first, first.begin():
+        assert [e.key for e in q.consume(first, 3)] == ["m0000"]
+        with server_backend.Session() as other, other.begin():
+            assert q.consume(other, 3) == []  # the first transaction's message is in flight
+    with server_backend.Session() as s, s.begin():
+        assert [e.key for e in q.consume(s, 3)] == ["m0001"]
+    with server_backend.Session() as s:
+        assert q.counts(s).pending == 1
+
+
+def test_a_failed_transactional_attempt_of_a_limited_queue_is_recorded(backend, make_queue):
+    q = make_queue("tx-failing")
+    with backend.Session() as s, s.begin():
+        q.set_limits(s, max_in_flight=2)
+    offer_many(backend, q, 1)
+
+    def handler(env: Envelope[Any], session: Any) -> None:
+        q.offer(session, "written-by-the-handler", {})
+        raise RuntimeError("boom")
+
+    with backend.Session() as s, s.begin():
+        result = q.process_one(s, handler)
+    assert result is not None and isinstance(result[1], RuntimeError)
+    with backend.Session() as s:
+        info = q.get(s, "m0000")
+        assert info is not None and info.attempts == 1 and "boom" in (info.last_error or "")
+        assert not q.contains(s, "written-by-the-handler")  # rolled back to the savepoint
 
 
 @pytest.mark.parametrize(
@@ -273,14 +317,15 @@ def q_pending(backend: Any, q: DelayedQueue[Any]) -> int:
         return q.counts(s).pending
 
 
-def test_a_worker_keeps_a_limited_queue_under_its_limits(backend, make_worker):
+@pytest.mark.parametrize("mode", ["lease", "transactional"])
+def test_a_worker_keeps_a_limited_queue_under_its_limits(backend, make_worker, mode):
     q: DelayedQueue[Any] = DelayedQueue("limited-worker")
     lock = threading.Lock()
     running_now = [0]
     peak = [0]
     done: list[str] = []
 
-    def handler(env: Envelope[Any]) -> None:
+    def handler(env: Envelope[Any], session: Any = None) -> None:
         with lock:
             running_now[0] += 1
             peak[0] = max(peak[0], running_now[0])
@@ -293,25 +338,11 @@ def test_a_worker_keeps_a_limited_queue_under_its_limits(backend, make_worker):
         q.set_limits(s, max_in_flight=2)
     keys = offer_many(backend, q, 20)
     worker = make_worker(backend, concurrency=4, poll_interval=0.2)
-    worker.register(q, handler)
+    worker.register(q, handler, mode=mode)
     with running(worker):
         assert wait_for(lambda: len(done) == 20, 30)
     assert sorted(done) == keys
     assert peak[0] <= 2
-
-
-def test_a_transactional_worker_on_a_limited_queue_stops_loudly(backend):
-    from sqla_delayedq.worker import Worker
-
-    q: DelayedQueue[Any] = DelayedQueue("tx-worker-limited")
-    with backend.Session() as s, s.begin():
-        q.set_limits(s, rate=(10, 1))
-    offer_many(backend, q, 1)
-    worker = Worker(backend.Session, poll_interval=0.1)
-    worker.register(q, lambda env, s: None, mode="transactional")
-    with pytest.raises(Exception, match="lease mode"):
-        worker.run(install_signal_handlers=False)
-    assert q_pending(backend, q) == 1
 
 
 def test_a_resume_from_another_process_wakes_an_idle_worker_through_notify(pg):

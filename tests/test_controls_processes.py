@@ -8,6 +8,8 @@ import time
 from collections import Counter
 from typing import Any
 
+import pytest
+
 from sqla_delayedq import DelayedQueue
 from tests import test_worker_processes as processes
 from tests.test_worker_processes import QUEUE, offer, started_workers
@@ -17,9 +19,11 @@ supervise = processes.supervise  # the fixture: a ``delayedq worker -p N`` subpr
 LEASE = 60.0
 
 
-def workers(*extra: str) -> list[str]:
+def workers(*extra: str, mode: str = "lease") -> list[str]:
     return [
-        "tests.cli_handlers:timed",
+        "tests.cli_handlers:timed" if mode == "lease" else "tests.cli_handlers:timed_transactional",
+        "--mode",
+        mode,
         "-q",
         QUEUE,
         "-p",
@@ -39,9 +43,12 @@ def set_limits(backend: Any, **limits: Any) -> None:
         DelayedQueue[Any](QUEUE).set_limits(s, **limits)
 
 
-def test_a_global_in_flight_limit_holds_across_4_processes_of_4_threads(server_backend, supervise):
+@pytest.mark.parametrize("mode", ["lease", "transactional"])
+def test_a_global_in_flight_limit_holds_across_4_processes_of_4_threads(
+    server_backend, supervise, mode
+):
     set_limits(server_backend, max_in_flight=3)
-    run = supervise(server_backend, *workers())
+    run = supervise(server_backend, *workers(mode=mode))
     run.wait(started_workers(run, 4), "four worker processes consuming")
     keys = offer(server_backend, 150, sleep=0.02)
     run.wait(lambda: len(run.lines("done")) >= len(keys), "every message handled", timeout=120)
@@ -58,9 +65,10 @@ def test_a_global_in_flight_limit_holds_across_4_processes_of_4_threads(server_b
     assert len({line[2] for line in run.lines("start")}) > 1
 
 
-def test_a_global_rate_limit_holds_in_every_one_second_window(server_backend, supervise):
+@pytest.mark.parametrize("mode", ["lease", "transactional"])
+def test_a_global_rate_limit_holds_in_every_one_second_window(server_backend, supervise, mode):
     set_limits(server_backend, rate=(50, 1.0))
-    run = supervise(server_backend, *workers())
+    run = supervise(server_backend, *workers(mode=mode))
     run.wait(started_workers(run, 4), "four worker processes consuming")
     keys = offer(server_backend, 250)
     started = time.monotonic()

@@ -944,3 +944,25 @@ def test_an_entity_queue_obeys_pause_and_its_in_flight_limit(
         assert queue.ack(s, taken[0])
     with db.Session() as s, s.begin():
         assert len(queue.try_poll_many(s, 5)) == 1
+
+
+def test_a_limited_entity_queue_processes_transactionally_under_its_rate(
+    db: Backend, queue: EntityQueue[Order], clock: FakeClock
+) -> None:
+    ids = add_orders(db.Session, 3)
+    with db.Session() as s, s.begin():
+        queue.schedule(s, Order.id.in_(ids))
+        queue.set_limits(s, rate=(2, timedelta(seconds=10)))
+    handled: list[int] = []
+
+    def handler(env: Envelope[Order], session: Session) -> None:
+        env.payload.amount_cents += 1
+        handled.append(env.id)
+
+    for _ in range(3):
+        with db.Session() as s, s.begin():
+            queue.process_one(s, handler)
+    assert handled == ids[:2]
+    assert row(db.Session, ids[0]).amount_cents == 101  # the handler's write committed
+    with db.Session() as s:
+        assert queue.counts(s).succeeded == 2

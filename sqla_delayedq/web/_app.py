@@ -34,7 +34,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from .._types import MessageFilter, MessageInfo
-from ..errors import InvalidArgument, TransientError
+from ..errors import DelayedQueueError, InvalidArgument, TransientError
 from ..monitor import DEAD_AFTER_BEATS
 from ._data import (
     ACTIONS,
@@ -300,6 +300,9 @@ class Dashboard:
             log.warning("dashboard: %s %s: transient database error", request.method,
                         request.url.path, exc_info=True)  # fmt: skip
             return self._error(request, 503, "The database is busy; reload in a moment.")
+        except DelayedQueueError as exc:  # ours: says what to do, no connection details
+            log.error("dashboard: %s %s: %s", request.method, request.url.path, exc)
+            return self._error(request, 503, str(exc))
         except SQLAlchemyError as exc:
             log.error("dashboard: %s %s failed", request.method, request.url.path, exc_info=True)
             return self._error(request, 503, database_problem(exc))
