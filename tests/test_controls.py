@@ -299,6 +299,9 @@ def test_pausing_stops_a_running_worker_and_resuming_restarts_it(backend, make_w
         assert wait_for(lambda: handled == ["slow"], 10)
         with backend.Session() as s, s.begin():
             q.pause(s)
+        # A take that began before the pause committed may still finish: a pause stops new
+        # takes within a poll interval, so offer after that.
+        time.sleep(0.5)
         offer(backend, q, "while-paused")
         time.sleep(1.0)  # five poll intervals
         assert handled == ["slow"]
