@@ -218,8 +218,19 @@ class LeasedQueue(abc.ABC, Generic[T]):
 
     def _transactional_gate(self, session: Session) -> str:
         """Before a transactional take: ``"plain"``, ``"paused"`` or ``"limited"`` (take
-        with :meth:`_limited_take`, so the limits see it)."""
-        gate = self.gate(session)
+        with :meth:`_limited_take`, so the limits see it).
+
+        On a server the controls are read through a session of their own, so the caller's
+        session does not hold a connection when :meth:`_limited_take` needs another (a pool
+        sized for one connection per consumer is enough).
+        """
+        engine = session.get_bind().engine
+        fresh, gate = ctl.peek(engine, self.shape.table.name, self.name)
+        if not fresh and strategy_for(session).poll_lock is None:
+            gate = self.gate(session)
+        elif not fresh:
+            with Session(bind=engine) as side:
+                gate = self.gate(side)
         if gate is None:
             return "plain"
         return "paused" if gate.paused else "limited"

@@ -56,6 +56,7 @@ __all__ = [
     "invalidate",
     "keep_fresh",
     "lookup",
+    "peek",
     "read",
     "record",
     "retry_after",
@@ -163,18 +164,27 @@ def lookup(session: Session, table: str, queue: str) -> QueueControls | None:
     savepoint of the session's transaction (a database without the table loses nothing).
     """
     engine = session.get_bind().engine
+    fresh, controls = peek(engine, table, queue)
+    if fresh:
+        return controls
     now = time.monotonic()
-    with _lock:
-        entry = _cache.get(engine, {}).get(table)
-    if entry is not None:
-        read_at, queues = entry
-        age = MISSING_RECHECK if queues is None else REFRESH
-        if now - read_at < age:
-            return None if queues is None else queues.get(queue)
     queues = _read_table(session, table)
     with _lock:
         _cache.setdefault(engine, {})[table] = (now, queues)
     return None if queues is None else queues.get(queue)
+
+
+def peek(engine: Engine, table: str, queue: str) -> tuple[bool, QueueControls | None]:
+    """``(True, controls or None)`` when this process's picture of ``table`` is fresh enough
+    to use without reading; ``(False, None)`` when :func:`lookup` would read."""
+    with _lock:
+        entry = _cache.get(engine, {}).get(table)
+    if entry is None:
+        return False, None
+    read_at, queues = entry
+    if time.monotonic() - read_at >= (MISSING_RECHECK if queues is None else REFRESH):
+        return False, None
+    return True, None if queues is None else queues.get(queue)
 
 
 def _read_table(session: Session, table: str) -> dict[str, QueueControls] | None:
