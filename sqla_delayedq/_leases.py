@@ -218,19 +218,8 @@ class LeasedQueue(abc.ABC, Generic[T]):
 
     def _transactional_gate(self, session: Session) -> str:
         """Before a transactional take: ``"plain"``, ``"paused"`` or ``"limited"`` (take
-        with :meth:`_limited_take`, so the limits see it).
-
-        On a server the controls are read through a session of their own, so the caller's
-        session does not hold a connection when :meth:`_limited_take` needs another (a pool
-        sized for one connection per consumer is enough).
-        """
-        engine = session.get_bind().engine
-        fresh, gate = ctl.peek(engine, self.shape.table.name, self.name)
-        if not fresh and strategy_for(session).poll_lock is None:
-            gate = self.gate(session)
-        elif not fresh:
-            with Session(bind=engine) as side:
-                gate = self.gate(side)
+        with :meth:`_limited_take`, so the limits see it)."""
+        gate = self.gate(session)
         if gate is None:
             return "plain"
         return "paused" if gate.paused else "limited"
@@ -240,7 +229,9 @@ class LeasedQueue(abc.ABC, Generic[T]):
         in a transaction of its own that commits at once, so the controls row is not held
         while the handler runs and the limits count it like any lease. The caller settles it
         by lock token in its own transaction. SQLite runs one writer at a time, so there the
-        lease is taken in the caller's transaction."""
+        lease is taken in the caller's transaction. On a server the lease's transaction borrows
+        a second pooled connection for a moment (a pool of ``concurrency + 2``, as workers
+        want anyway, is enough)."""
         if strategy_for(session).poll_lock is None:
             return self.poll_batch(session, n).envelopes
         bind = session.get_bind()

@@ -56,7 +56,6 @@ __all__ = [
     "invalidate",
     "keep_fresh",
     "lookup",
-    "peek",
     "read",
     "record",
     "retry_after",
@@ -164,7 +163,7 @@ def lookup(session: Session, table: str, queue: str) -> QueueControls | None:
     savepoint of the session's transaction (a database without the table loses nothing).
     """
     engine = session.get_bind().engine
-    fresh, controls = peek(engine, table, queue)
+    fresh, controls = _peek(engine, table, queue)
     if fresh:
         return controls
     now = time.monotonic()
@@ -174,9 +173,9 @@ def lookup(session: Session, table: str, queue: str) -> QueueControls | None:
     return None if queues is None else queues.get(queue)
 
 
-def peek(engine: Engine, table: str, queue: str) -> tuple[bool, QueueControls | None]:
+def _peek(engine: Engine, table: str, queue: str) -> tuple[bool, QueueControls | None]:
     """``(True, controls or None)`` when this process's picture of ``table`` is fresh enough
-    to use without reading; ``(False, None)`` when :func:`lookup` would read."""
+    to use without reading; ``(False, None)`` when it must be read again."""
     with _lock:
         entry = _cache.get(engine, {}).get(table)
     if entry is None:
