@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
             n = max(500, int(4000 * args.scale))
             print("queue controls", flush=True)
             report["controls"] = bench_controls.run(
-                servers, list(bench_controls.SETTINGS), args.runs, n, "postgresql" in servers
+                servers, list(bench_controls.SETTINGS), args.runs, n, True
             )
     Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
     print()

@@ -17,8 +17,11 @@ drift on a shared machine hits all of them:
 - **rate 500/s**: ``rate=(500, 1 s)``: the achieved rate, and the most takes seen in any
   1-second window; once with takes of one message (the worker's default ``batch_size``), once
   with takes of 20 (limited takes serialise on the controls row, so fewer takes go faster);
-- **resume latency** (PostgreSQL's ``NOTIFY``): an idle worker with a 30 s poll interval, its
-  queue paused with 100 messages due; the time from the resume's commit to the first handler.
+- **steering** (with every setting): a busy worker (4 threads, 5 ms handlers, poll interval
+  0.5 s) paused and then resumed by another process, as an operator would: the time from the
+  pause's commit to the last handler start, and from the resume's commit to the first. On
+  PostgreSQL ``NOTIFY`` carries the change at once; elsewhere a worker sees it within its poll
+  interval.
 
 It prints a table (median, min and max over the rounds) and ``--json`` writes the figures. No
 timed assertion anywhere.
@@ -29,6 +32,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -119,8 +124,32 @@ def drain(url: URL, setting: str, n: int) -> dict[str, float]:
     return {"rate": n / took, "peak_in_flight": state["peak"], "busiest_second": busiest}
 
 
-def resume_latency(url: URL) -> float:
-    """Seconds from a resume's commit to the first handler start (PostgreSQL's NOTIFY)."""
+STEER = (
+    "import sys, time\n"
+    "from sqlalchemy.orm import Session\n"
+    "from sqla_delayedq import DelayedQueue, create_engine\n"
+    "engine = create_engine(sys.argv[1])\n"
+    "with Session(engine) as s, s.begin():\n"
+    "    getattr(DelayedQueue(sys.argv[2]), sys.argv[3])(s)\n"
+    "print(time.time())\n"
+)
+
+
+def steer(url: URL, action: str) -> float:
+    """``pause`` or ``resume`` the queue from another process; when its commit returned."""
+    done = subprocess.run(
+        [sys.executable, "-c", STEER, url.render_as_string(hide_password=False), QUEUE, action],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return float(done.stdout.strip())
+
+
+def steering_latency(url: URL) -> dict[str, float]:
+    """A busy worker (4 threads, 5 ms handlers, poll interval 0.5 s) paused and resumed from
+    another process: seconds from the pause's commit to the last handler start, and from the
+    resume's commit to the first."""
     from sqla_delayedq import DelayedQueue, create_engine
     from sqla_delayedq.worker import Worker
 
@@ -130,24 +159,32 @@ def resume_latency(url: URL) -> float:
     queue: DelayedQueue[Any] = DelayedQueue(QUEUE)
     with sessions.begin() as s:
         queue.set_limits(s, max_in_flight=None, rate=None)
-        queue.pause(s)
-    _fill(sessions, queue, 100)
-    first: list[float] = []
-    worker = Worker(sessions, concurrency=4, poll_interval=30)
-    worker.register(queue, lambda env: first.append(time.perf_counter()))
+    _fill(sessions, queue, 4000)
+    starts: list[float] = []
+
+    def handler(env: Any) -> None:
+        starts.append(time.time())
+        time.sleep(0.005)
+
+    worker = Worker(sessions, concurrency=4, poll_interval=0.5)
+    worker.register(queue, handler)
     worker.start()
-    time.sleep(1.0)
-    with sessions.begin() as s:
-        queue.resume(s)
-    resumed = time.perf_counter()
-    deadline = time.monotonic() + 10
-    while not first and time.monotonic() < deadline:
-        time.sleep(0.0005)
-    worker.stop(5)
-    engine.dispose()
-    if not first:
-        raise RuntimeError("no message handled within 10 s of the resume")
-    return first[0] - resumed
+    try:
+        time.sleep(1.0)
+        paused = steer(url, "pause")
+        time.sleep(1.5)
+        last = max(starts)
+        seen = len(starts)
+        resumed = steer(url, "resume")
+        deadline = time.monotonic() + 10
+        while len(starts) == seen and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        if len(starts) == seen:
+            raise RuntimeError("no message handled within 10 s of the resume")
+        return {"pause": max(0.0, last - paused), "resume": starts[seen] - resumed}
+    finally:
+        worker.stop(5)
+        engine.dispose()
 
 
 def run(
@@ -157,19 +194,21 @@ def run(
     with tempfile.TemporaryDirectory() as tmp:
         for backend in backends:
             per: dict[str, list[dict[str, float]]] = {s: [] for s in settings}
-            latencies: list[float] = []
+            latencies: list[dict[str, float]] = []
             with fresh_database(backend, Path(tmp)) as url:
                 for r in range(runs):
                     order = settings if r % 2 == 0 else list(reversed(settings))
                     for setting in order:
                         per[setting].append(drain(url, setting, n))
-                    if backend == "postgresql" and resume:
-                        latencies.append(resume_latency(url))
+                    if resume:
+                        latencies.append(steering_latency(url))
             results[backend] = {
                 s: {k: _stats([m[k] for m in ms]) for k in ms[0]} for s, ms in per.items()
             }
             if latencies:
-                results[backend]["resume latency"] = {"seconds": _stats(latencies)}
+                results[backend]["steering"] = {
+                    k: _stats([m[k] for m in latencies]) for k in ("pause", "resume")
+                }
     return results
 
 
@@ -198,14 +237,19 @@ def report(results: dict[str, Any], n: int, runs: int) -> str:
             "|---|---|---|---|",
         ]
         for setting, f in figures.items():
-            if setting != "resume latency":
+            if setting != "steering":
                 lines.append(_row(setting, f, fmt))
-        if "resume latency" in figures:
-            sec = figures["resume latency"]["seconds"]
-            lines.append(
-                f"\nresume to first handler (NOTIFY): {fmt('seconds', sec['median'])}"
-                f" (min {fmt('seconds', sec['min'])}, max {fmt('seconds', sec['max'])})"
-            )
+        if "steering" in figures:
+            lines.append("\nfrom another process (poll interval 0.5 s):")
+            for what, label in (
+                ("pause", "pause to last start"),
+                ("resume", "resume to first start"),
+            ):
+                sec = figures["steering"][what]
+                lines.append(
+                    f"- {label}: {fmt('seconds', sec['median'])}"
+                    f" (min {fmt('seconds', sec['min'])}, max {fmt('seconds', sec['max'])})"
+                )
     return "\n".join(lines)
 
 
@@ -215,7 +259,7 @@ def main() -> None:
     parser.add_argument("--only", default=",".join(SETTINGS), help="settings to run")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--n", type=int, default=4000, help="messages per drain")
-    parser.add_argument("--no-resume", action="store_true", help="skip the resume latency")
+    parser.add_argument("--no-resume", action="store_true", help="skip the pause/resume latency")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     settings = [s.strip() for s in args.only.split(",") if s.strip()]
