@@ -81,9 +81,9 @@ def drain(url: URL, setting: str, n: int) -> dict[str, float]:
     queue: DelayedQueue[Any] = DelayedQueue(QUEUE)
     limits = _limits(setting)
     with sessions.begin() as s:
-        if limits is not None:
-            queue.set_limits(s, **limits)
-        elif hasattr(queue, "set_limits"):
+        if limits is not None:  # every limit given: none is kept from the setting before
+            queue.set_limits(s, **{"max_in_flight": None, "rate": None, **limits})
+        elif hasattr(queue, "set_limits"):  # a tree without controls runs "plain" too
             queue.set_limits(s, max_in_flight=None, rate=None)
     _fill(sessions, queue, n)
     lock = threading.Lock()
