@@ -193,6 +193,8 @@ def _read_table(session: Session, table: str) -> dict[str, QueueControls] | None
         with session.begin_nested():
             rows = session.execute(stmt).all()
     except DBAPIError as exc:
+        if not _table_missing(session, exc):
+            raise  # a lost connection or a busy server: the take fails and is retried
         log.debug("no queue controls on this database (%s): queues are plain", exc.orig)
         return None
     found = {row.queue: from_row(row) for row in rows}
@@ -215,9 +217,17 @@ def _guarded(session: Session, run: Callable[[], T]) -> T:
         with session.begin_nested():
             return run()
     except DBAPIError as exc:
-        if not inspect(session.connection()).has_table(t.name):
+        if _table_missing(session, exc):
             raise DelayedQueueError(MISSING) from exc
         raise
+
+
+def _table_missing(session: Session, exc: DBAPIError) -> bool:
+    """Whether ``exc`` (rolled back to a savepoint) was the controls table missing; never for
+    a dropped connection or a transient refusal, which the caller must see as they are."""
+    if exc.connection_invalidated or strategy_for(session).is_transient(exc):
+        return False
+    return not inspect(session.connection()).has_table(t.name)
 
 
 def read(session: Session, table: str, queue: str) -> QueueControls:

@@ -13,6 +13,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from sqla_delayedq import (
@@ -439,3 +440,29 @@ def test_the_in_flight_limit_holds_for_a_repeatable_read_session_on_mariadb(mari
         assert q.counts(late).due == 3  # the snapshot is taken here
         assert len(poll(mariadb, q, 3)) == 1  # another consumer takes the one allowed
         assert q.try_poll_many(late, 3) == []
+
+
+def test_a_lost_connection_while_reading_controls_is_an_error_not_a_missing_table(pg):
+    """Regression: the look-up took a killed connection for a missing table, so a paused queue
+    was taken as plain and the session's dead transaction stopped the worker."""
+    from sqlalchemy.exc import DBAPIError
+
+    from sqla_delayedq import controls
+
+    q: DelayedQueue[Any] = DelayedQueue("killed")
+    with pg.Session() as s, s.begin():
+        q.pause(s)
+    admin = sa.create_engine(pg.url, isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
+    try:
+        with pg.Session() as s:
+            pid = s.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+            with admin.connect() as conn:
+                conn.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": pid})
+            controls.invalidate()
+            with pytest.raises(DBAPIError):
+                q.gate(s)
+    finally:
+        admin.dispose()
+    with pg.Session() as s:
+        gate = q.gate(s)
+    assert gate is not None and gate.paused  # still paused, not "no controls table"
