@@ -15,7 +15,7 @@ from sqlalchemy.sql import ColumnElement
 
 from . import _filters as flt
 from . import _statements as st
-from ._codec import Codec
+from ._codec import Codec, decode_headers
 from ._dialects import transient_as_ours
 from ._time import require_aware, require_duration
 from ._types import MessageFilter, MessageInfo, QueueCounts, State
@@ -108,6 +108,7 @@ class AdminMixin:
             last_error=row.last_error,
             lock_token=row.lock_token,
             decode_error=problem,
+            headers=decode_headers(row.headers),
         )
 
     @transient_as_ours

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import traceback
+from collections.abc import Mapping
 from typing import Any, Generic, TypeVar
 
 from sqlalchemy import Text, literal
@@ -35,12 +36,16 @@ __all__ = [
     "LenientJSON",
     "check_name",
     "check_text",
+    "decode_headers",
+    "encode_headers",
     "error_text",
     "verbatim",
 ]
 
 #: Longest error text a failure records.
 ERROR_MAX = 8000
+#: Longest a message's headers may be, as stored JSON text.
+HEADERS_MAX = 8000
 
 _BAD_CHARS = re.compile("[\x00\ud800-\udfff]")
 #: A ``\\uXXXX`` escape in JSON text that is not itself escaped (an even run of backslashes).
@@ -86,6 +91,53 @@ def error_text(error: BaseException | str) -> str:
         text = str(error)
     # The text of an error is evidence, not identity: replace what cannot be stored.
     return _BAD_CHARS.sub("\ufffd", text[:ERROR_MAX])
+
+
+def encode_headers(headers: Mapping[str, str] | None) -> str | None:
+    """A message's headers as stored: a JSON object of strings, or None for none.
+
+    Headers are metadata offered beside the payload (a trace context, a request id). They are
+    checked like keys, before any SQL runs: string names and values, storable everywhere, and
+    at most :data:`HEADERS_MAX` characters of JSON in all.
+    """
+    if headers is None:
+        return None
+    if not isinstance(headers, Mapping):
+        raise InvalidArgument(
+            f"headers must be a mapping of str to str, got {type(headers).__name__}"
+        )
+    if not headers:
+        return None
+    for name, value in headers.items():
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise InvalidArgument(
+                f"headers must map str to str; {name!r}: {type(value).__name__} is not"
+            )
+        check_text(name, f"header name {name[:40]!r}")
+        check_text(value, f"header {name[:40]!r}")
+    text = json.dumps(dict(sorted(headers.items())), ensure_ascii=False, separators=(",", ":"))
+    if len(text) > HEADERS_MAX:
+        raise InvalidArgument(
+            f"headers are {len(text)} characters as JSON; the limit is {HEADERS_MAX}"
+        )
+    return text
+
+
+def decode_headers(text: str | None) -> dict[str, str]:
+    """Stored headers as a dict; empty when there are none.
+
+    Headers never make a message undeliverable: stored text that is not a JSON object of strings
+    (written by hand, say) reads as no headers.
+    """
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {}
+    if not isinstance(value, dict):
+        return {}
+    return {k: v for k, v in value.items() if isinstance(v, str)}
 
 
 def _json_problem(text: str) -> str | None:

@@ -76,6 +76,8 @@ class NewRow(NamedTuple):
     raw: bytes | None
     at: datetime | None
     at0: datetime | None
+    #: The headers as stored (JSON text), or None.
+    headers: str | None = None
 
 
 class Listener(abc.ABC):
@@ -169,6 +171,7 @@ class Strategy(abc.ABC):
                 "scheduled_at_initially": r.at0 or r.at or now,
                 "created_at": now,
                 "attempts": 0,
+                "headers": r.headers,
                 "lock_token": token,
             }
             for r in rows
@@ -374,6 +377,8 @@ class PostgreSQLStrategy(Strategy):
                 doc += ',"a":"' + r.at.isoformat() + '"'
             if r.at0 is not None:
                 doc += ',"a0":"' + r.at0.isoformat() + '"'
+            if r.headers is not None:
+                doc += ',"h":' + quote(r.headers)
             parts.append(doc + "}")
         params = {
             "u_queue": queue,

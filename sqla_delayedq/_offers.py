@@ -130,7 +130,7 @@ def _notify_on_insert(q: Target, session: Session, strategy: Strategy) -> str | 
 class _Item:
     """One message of a batch, serialized once; its row values are decoded only if needed."""
 
-    __slots__ = ("_codec", "_values", "at", "index", "key", "stored")
+    __slots__ = ("_codec", "_values", "at", "headers", "index", "key", "stored")
 
     def __init__(
         self,
@@ -139,21 +139,24 @@ class _Item:
         key: str,
         stored: str | bytes,
         at: datetime | None,
+        headers: str | None,
     ) -> None:
         self._codec, self.index, self.key, self.stored, self.at = codec, index, key, stored, at
+        self.headers = headers
         self._values: dict[str, Any] | None = None
 
     @property
     def values(self) -> dict[str, Any]:
-        """The columns an offer of this message writes: the payload's."""
+        """The columns an offer of this message writes: the payload's and the headers."""
         if self._values is None:
             self._values = self._codec.columns(self.stored)
+            self._values["headers"] = self.headers
         return self._values
 
     def new_row(self) -> NewRow:
         if isinstance(self.stored, str):
-            return NewRow(self.key, self.stored, None, self.at, None)
-        return NewRow(self.key, None, self.stored, self.at, None)
+            return NewRow(self.key, self.stored, None, self.at, None, self.headers)
+        return NewRow(self.key, None, self.stored, self.at, None, self.headers)
 
 
 class _Plan(NamedTuple):
@@ -171,7 +174,9 @@ def chunk_size(strategy: Strategy) -> int:
     return max(1, min(MAX_CHUNK, strategy.max_params // PARAMS_PER_ROW))
 
 
-def _validate(codec: Codec[Any], messages: Iterable[OfferInput]) -> list[_Item]:
+def _validate(
+    codec: Codec[Any], messages: Iterable[OfferInput], headers: str | None
+) -> list[_Item]:
     items: list[_Item] = []
     append, serialize = items.append, codec.serialize  # looked up once: hot loop
     for i, message in enumerate(messages):
@@ -185,7 +190,7 @@ def _validate(codec: Codec[Any], messages: Iterable[OfferInput]) -> list[_Item]:
             at = None if at_arg is None else require_aware(at_arg, f"messages[{i}] at")
         else:
             raise InvalidArgument(f"messages[{i}] must be a (key, payload[, at]) tuple")
-        append(_Item(codec, i, message_key(message[0]), serialize(message[1]), at))
+        append(_Item(codec, i, message_key(message[0]), serialize(message[1]), at, headers))
     return items
 
 
@@ -194,10 +199,12 @@ def offer_batch(
     session: Session,
     messages: Iterable[OfferInput],
     mode: OfferMode,
+    headers: str | None = None,
 ) -> list[OfferResult]:
-    """Offer many messages: one outcome per message, in input order (see the module)."""
+    """Offer many messages: one outcome per message, in input order (see the module);
+    ``headers`` (stored form) go with each."""
     now = q.now()
-    items = _validate(q.codec, messages)
+    items = _validate(q.codec, messages, headers)
     if not items:
         return []
     by_key: dict[str, list[_Item]] = {}
@@ -243,7 +250,14 @@ def _fold(
 def _insert_row(key: str, state: Any) -> NewRow:
     """The row to insert for a key whose offers were folded into ``state``."""
     text = None if state.payload is None else json.dumps(state.payload)
-    return NewRow(key, text, state.payload_bytes, state.scheduled_at, state.scheduled_at_initially)
+    return NewRow(
+        key,
+        text,
+        state.payload_bytes,
+        state.scheduled_at,
+        state.scheduled_at_initially,
+        state.headers,
+    )
 
 
 def _plan_new(q: Target, key: str, items: list[_Item], mode: OfferMode, now: datetime) -> _Plan:

@@ -6,7 +6,7 @@ acknowledged) together with the caller's own rows, or not at all.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any, TypeVar, cast
@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 from . import _offers
 from . import _statements as st
 from ._admin import AdminMixin
-from ._codec import Codec, check_name, error_text, verbatim
+from ._codec import Codec, check_name, decode_headers, encode_headers, error_text, verbatim
 from ._dialects import Claimed, Claims, Strategy, is_transient, strategy_for, transient_as_ours
 from ._handlers import call_sync_handler
 from ._leases import LeasedQueue, Processed, check_count
@@ -49,6 +49,7 @@ def _envelope(row: Any, payload: T, due_at: datetime, prev_token: str | None) ->
         attempt=row.attempts + 1,
         lock_token=row.lock_token,
         lease_until=row.scheduled_at,
+        headers=decode_headers(row.headers),
     )
 
 
@@ -105,17 +106,22 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         at: datetime | None = None,
         *,
         mode: OfferMode | str = OfferMode.REPLACE,
+        headers: Mapping[str, str] | None = None,
     ) -> OfferResult:
         """Enqueue ``payload`` under ``key`` (generated when None), due at ``at`` (now).
 
         Returns the key and ``CREATED``, ``UPDATED`` or ``IGNORED`` (see :class:`OfferMode`).
         An update resets the lease, so a consumer still holding the old version cannot ack it.
+        ``headers`` (str to str, for example a trace context) travel with the message to
+        :attr:`Envelope.headers`; they are not part of its identity (an offer that changes only
+        them is ``IGNORED``), and an update stores the updating offer's.
         """
         mode = OfferMode.parse(mode)
         key = _offers.message_key(key)
         now = self.now()
         when = None if at is None else require_aware(at, "at")
         values = self.codec.values(payload)
+        values["headers"] = encode_headers(headers)
         strategy = strategy_for(session)
         outcome = _offers.offer_one(self, session, strategy, key, values, when, now, mode)
         if outcome is not Outcome.IGNORED:
@@ -129,6 +135,7 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         messages: Iterable[OfferInput],
         *,
         mode: OfferMode | str = OfferMode.REPLACE,
+        headers: Mapping[str, str] | None = None,
     ) -> list[OfferResult]:
         """Offer many messages: one outcome per message, in input order.
 
@@ -136,8 +143,10 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         under the backend's parameter limit, with a constant number of statements per chunk. A
         key repeated in the batch behaves as repeated offers in input order; a key inserted by a
         concurrent transaction falls back to the single-message path for that key only.
+        ``headers`` go with every message of the batch (as in :meth:`offer`).
         """
-        return _offers.offer_batch(self, session, messages, OfferMode.parse(mode))
+        stored = encode_headers(headers)
+        return _offers.offer_batch(self, session, messages, OfferMode.parse(mode), stored)
 
     # -- take ----------------------------------------------------------------------------
 

@@ -40,6 +40,7 @@ INSERT_COLUMNS = (
     "scheduled_at_initially",
     "created_at",
     "attempts",
+    "headers",
 )
 
 #: The state an update by an offer gives a row back: pending, no lease, a fresh run.
@@ -73,10 +74,12 @@ OFFER_RULES: dict[OfferMode, OfferRule] = {
 def new_row(
     queue: str, key: str, payload: dict[str, Any], at: datetime, now: datetime
 ) -> dict[str, Any]:
-    """The columns of a new message row (``payload``: the codec's payload columns)."""
+    """The columns of a new message row (``payload``: the codec's payload columns, and the
+    offer's ``headers`` when it has any)."""
     return {
         "queue": queue,
         "key": key,
+        "headers": None,
         **payload,
         "status": "pending",
         "scheduled_at": at,

@@ -19,6 +19,7 @@ from sqlalchemy import (
     Integer,
     String,
     Table,
+    Text,
     and_,
     any_,
     bindparam,
@@ -111,6 +112,7 @@ ROW_COLUMNS = (
     "attempts",
     "last_attempt_at",
     "last_error",
+    "headers",
 )
 
 
@@ -343,6 +345,7 @@ def recordset_insert(t: Table) -> Any:
             column("b", String()),
             column("a", DateTime(timezone=True)),
             column("a0", DateTime(timezone=True)),
+            column("h", Text()),
         )
         .render_derived(name="r", with_types=True)
     )
@@ -358,6 +361,7 @@ def recordset_insert(t: Table) -> Any:
         func.coalesce(r.c.a0, r.c.a, now),
         now,
         literal(0),
+        r.c.h,
     ).order_by(r.c.k)
     names = list(INSERT_COLUMNS)
     return (

@@ -115,6 +115,8 @@ class Envelope(Generic[T]):
     attempt: int
     lock_token: str
     lease_until: datetime
+    #: What the offer sent along (for example a trace context); empty when it sent none.
+    headers: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def redelivered(self) -> bool:
@@ -141,6 +143,8 @@ class MessageInfo:
     last_error: str | None
     lock_token: str | None
     decode_error: str | None = None
+    #: What the offer sent along; empty when it sent none.
+    headers: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

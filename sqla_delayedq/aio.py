@@ -24,7 +24,7 @@ import inspect
 import logging
 import signal
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any, Generic, TypeVar
 
@@ -129,8 +129,11 @@ class AsyncQueue(Generic[T]):
         at: datetime | None = None,
         *,
         mode: OfferMode | str = OfferMode.REPLACE,
+        headers: Mapping[str, str] | None = None,
     ) -> OfferResult:
-        return await session.run_sync(lambda s: self.queue.offer(s, key, payload, at, mode=mode))
+        return await session.run_sync(
+            lambda s: self.queue.offer(s, key, payload, at, mode=mode, headers=headers)
+        )
 
     async def offer_batch(
         self,
@@ -138,9 +141,12 @@ class AsyncQueue(Generic[T]):
         messages: Iterable[OfferInput],
         *,
         mode: OfferMode | str = OfferMode.REPLACE,
+        headers: Mapping[str, str] | None = None,
     ) -> list[OfferResult]:
         items = list(messages)
-        return await session.run_sync(lambda s: self.queue.offer_batch(s, items, mode=mode))
+        return await session.run_sync(
+            lambda s: self.queue.offer_batch(s, items, mode=mode, headers=headers)
+        )
 
     async def try_poll(
         self, session: AsyncSession, *, lease: timedelta | None = None

@@ -12,9 +12,12 @@ Two kinds of signal, for either backend:
   :func:`observe_queues` for OpenTelemetry. Both use the index-served queries of ``delayedq
   stats`` and cache them for ``min_interval`` seconds, so frequent scrapes cost one query.
 
-And traces, with OpenTelemetry: :func:`traced_handler` wraps a handler in a ``process <queue>``
-consumer span; :func:`instrument_queue` wraps a queue's ``offer`` and ``offer_batch`` in
-``send <queue>`` producer spans. Spans and metrics go to the global providers unless given.
+And traces, with OpenTelemetry: :func:`instrument_queue` wraps a queue's ``offer`` and
+``offer_batch`` in ``send <queue>`` producer spans and stores the trace context with each message
+(its headers, W3C ``traceparent``); :func:`traced_handler` wraps a handler in a ``process <queue>``
+consumer span that continues that trace, whatever process handles it: one trace shows the request
+that offered and every attempt that handled, each attempt a child of the ``send`` span and linked
+to it. Spans and metrics go to the global providers (and propagator) unless given.
 
 ::
 
@@ -35,7 +38,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -573,10 +576,12 @@ def _span_attributes(queue: str, key: str | None = None) -> dict[str, Any]:
 def traced_handler(handler: Handler, *, tracer: Tracer | None = None) -> Handler:
     """``handler`` inside a ``process <queue>`` consumer span (exceptions recorded).
 
-    Works for both modes (the envelope is the first argument) and for both kinds of handler:
-    an ``async def`` handler gets an ``async def`` wrapper whose span covers the awaited work.
+    The span continues the trace stored with the message by an instrumented offer
+    (:func:`instrument_queue`), in this process or any other. Works for both modes (the envelope
+    is the first argument) and for both kinds of handler: an ``async def`` handler gets an
+    ``async def`` wrapper whose span covers the awaited work.
     """
-    from opentelemetry import trace
+    from opentelemetry import propagate, trace
 
     t = tracer or trace.get_tracer(INSTRUMENTATION, _version())
 
@@ -585,8 +590,17 @@ def traced_handler(handler: Handler, *, tracer: Tracer | None = None) -> Handler
         attrs["messaging.operation.type"] = "process"
         attrs["delayedq.attempt"] = envelope.attempt
         attrs["delayedq.delivery"] = envelope.delivery.value
+        # The offer's trace context, when it stored one: this attempt continues its trace (a
+        # child of the send span, which it also links to, as the messaging conventions ask).
+        parent = propagate.extract(envelope.headers) if envelope.headers else None
+        sent = trace.get_current_span(parent).get_span_context() if parent else None
+        links = [trace.Link(sent)] if sent is not None and sent.is_valid else None
         return t.start_as_current_span(
-            f"process {envelope.queue}", kind=trace.SpanKind.CONSUMER, attributes=attrs
+            f"process {envelope.queue}",
+            context=parent,
+            kind=trace.SpanKind.CONSUMER,
+            attributes=attrs,
+            links=links,
         )
 
     if is_async_callable(handler):
@@ -607,11 +621,14 @@ def traced_handler(handler: Handler, *, tracer: Tracer | None = None) -> Handler
 
 
 def instrument_queue(queue: Q, *, tracer: Tracer | None = None) -> Q:
-    """Wrap ``queue.offer`` and ``queue.offer_batch`` in ``send <queue>`` producer spans.
+    """Wrap ``queue.offer`` and ``queue.offer_batch`` in ``send <queue>`` producer spans, and
+    store the span's trace context with each message (in its headers, by the global propagator:
+    W3C ``traceparent`` by default), for :func:`traced_handler` to continue.
 
-    Returns the same queue object; calling it twice does not wrap twice.
+    Returns the same queue object; calling it twice does not wrap twice. An
+    :class:`~sqla_delayedq.aio.AsyncQueue` over the queue offers through it too.
     """
-    from opentelemetry import trace
+    from opentelemetry import propagate, trace
 
     if getattr(queue, "_delayedq_traced", False):
         return queue
@@ -627,23 +644,34 @@ def instrument_queue(queue: Q, *, tracer: Tracer | None = None) -> Q:
         at: datetime | None = None,
         *,
         mode: OfferMode | str = OfferMode.REPLACE,
+        headers: Mapping[str, str] | None = None,
     ) -> OfferResult:
         attrs = _span_attributes(queue.name, key)
         attrs["messaging.operation.type"] = "send"
         with t.start_as_current_span(name, kind=trace.SpanKind.PRODUCER, attributes=attrs) as span:
-            result = offer(session, key, payload, at, mode=mode)
+            carrier = dict(headers or {})
+            propagate.inject(carrier)
+            result = offer(session, key, payload, at, mode=mode, headers=carrier)
             span.set_attribute("messaging.message.id", result.key)
             span.set_attribute("delayedq.outcome", result.outcome.value)
             return result
 
     @functools.wraps(offer_batch)
-    def traced_offer_batch(session: Session, messages: Iterable[Any], **kwargs: Any) -> Any:
+    def traced_offer_batch(
+        session: Session,
+        messages: Iterable[Any],
+        *,
+        headers: Mapping[str, str] | None = None,
+        **kwargs: Any,
+    ) -> Any:
         items = list(messages)
         attrs = _span_attributes(queue.name)
         attrs["messaging.operation.type"] = "send"
         attrs["messaging.batch.message_count"] = len(items)
         with t.start_as_current_span(name, kind=trace.SpanKind.PRODUCER, attributes=attrs) as span:
-            results: list[OfferResult] = offer_batch(session, items, **kwargs)
+            carrier = dict(headers or {})
+            propagate.inject(carrier)
+            results: list[OfferResult] = offer_batch(session, items, headers=carrier, **kwargs)
             for outcome in ("created", "updated", "ignored"):
                 count = sum(1 for r in results if r.outcome.value == outcome)
                 span.set_attribute(f"delayedq.{outcome}", count)

@@ -25,7 +25,8 @@ keeps it, and ours is consulted after it.
 ``create_queue_table`` builds the table from the mixin of the installed version. A table created
 by an older version gets each later change from an operation shipped for it, which a revision of
 the host's calls once: :func:`upgrade_key_collation` (keys compared byte for byte on
-MariaDB/MySQL). Each such operation emits fixed DDL and is harmless on a table that has the change
+MariaDB/MySQL) and :func:`add_headers_column` (message headers, sqla_delayedq 0.2). Each such
+operation emits fixed DDL and is harmless on a table that has the change
 already, so a revision stays correct whichever version created the table.
 
 This module imports Alembic; ``import sqla_delayedq`` does not import it.
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, cast
 
+import sqlalchemy as sa
 from alembic import op
 from alembic.autogenerate.api import AutogenContext
 from alembic.operations import ops
@@ -56,8 +58,10 @@ from .models import (
 )
 
 __all__ = [
+    "add_headers_column",
     "create_queue_table",
     "downgrade_key_collation",
+    "drop_headers_column",
     "drop_queue_table",
     "queue_table",
     "render_item",
@@ -132,6 +136,29 @@ def downgrade_key_collation(table_name: str = DEFAULT_TABLE, *, schema: str | No
     """
     if family(op.get_context().dialect) is Family.MYSQL:
         _alter_key_collation(table_name, schema, PAD_SPACE_COLLATION)
+
+
+def add_headers_column(table_name: str = DEFAULT_TABLE, *, schema: str | None = None) -> None:
+    """Add the nullable ``headers`` column (``TEXT``: a JSON object of strings) that messages
+    carry since sqla_delayedq 0.2; existing rows get none. Harmless on a table that has it already
+    (autogenerate's revision, or ``create_queue_table`` of 0.2 or later): the column is added only
+    when a live connection shows it missing; offline (``--sql``) it is always emitted."""
+    if _has_column(table_name, "headers", schema):
+        return
+    op.add_column(table_name, sa.Column("headers", sa.Text(), nullable=True), schema=schema)
+
+
+def drop_headers_column(table_name: str = DEFAULT_TABLE, *, schema: str | None = None) -> None:
+    """Undo :func:`add_headers_column`: the headers of stored messages are lost."""
+    op.drop_column(table_name, "headers", schema=schema)
+
+
+def _has_column(table_name: str, column: str, schema: str | None) -> bool:
+    context = op.get_context()
+    if context.as_sql:
+        return False
+    names = {c["name"] for c in sa.inspect(op.get_bind()).get_columns(table_name, schema=schema)}
+    return column in names
 
 
 def _alter_key_collation(table_name: str, schema: str | None, collation: str) -> None:

@@ -149,6 +149,7 @@ class QueueMessageMixin:
     last_attempt_at: Mapped[datetime | None] = mapped_column(DateTimeUTC(), nullable=True)
     last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
     #: Metadata offered with the message (a JSON object of strings), e.g. its trace context.
+    headers: Mapped[str | None] = mapped_column(Text, nullable=True)
 
     @declared_attr.directive
     def __table_args__(cls) -> tuple[Any, ...]:

@@ -39,6 +39,7 @@ from sqla_delayedq.migration import (
     DATETIME_UTC_DDL,
     create_queue_table,
     downgrade_key_collation,
+    drop_headers_column,
     drop_queue_table,
     queue_table,
 )
@@ -391,6 +392,19 @@ V0001 = sa.table(
 )
 
 
+#: A message row as every revision since 0001 can store it.
+V0001_ROW: dict[str, Any] = {
+    "queue": "q",
+    "payload_type": "json",
+    "payload": {"i": 0},
+    "status": "pending",
+    "scheduled_at": dt.datetime(2026, 1, 1, tzinfo=dt.UTC),
+    "scheduled_at_initially": dt.datetime(2026, 1, 1, tzinfo=dt.UTC),
+    "created_at": dt.datetime(2026, 1, 1, tzinfo=dt.UTC),
+    "attempts": 0,
+}
+
+
 def insert_0001_row(conn: sa.Connection, key: str, i: int) -> None:
     """One message as the 0001 schema stores it (today's queue writes columns 0001 lacks)."""
     at = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
@@ -461,6 +475,102 @@ def test_byte_exact_keys_revision_keeps_the_rows_of_a_0001_table(
         infos = [queue.get(session, key) for key in ("key/0", "key/0 ")]
     assert [(i.key, i.payload) for i in infos if i] == [("key/0", {"i": 0}), ("key/0 ", {"i": -1})]
     assert_queue_table(backend, engine, "delayed_queue")
+
+
+def column_names(engine: Engine, table: str) -> list[str]:
+    return [c["name"] for c in sa.inspect(engine).get_columns(table)]
+
+
+def test_headers_revision_keeps_the_rows_of_a_0004_table(
+    fresh_database: tuple[str, URL], engine_for: Any
+) -> None:
+    backend, url = fresh_database
+    engine = engine_for(url)
+    config = alembic_config(None, url)
+    command.upgrade(config, "delayedq_0004")
+    with engine.begin() as conn:
+        for i in range(100):
+            insert_0001_row(conn, f"key/{i}", i)
+    before = rows(engine, "delayed_queue")
+    assert "headers" not in column_names(engine, "delayed_queue")
+
+    command.upgrade(config, "delayedq_0005")
+
+    assert [row[:-1] for row in rows(engine, "delayed_queue")] == before
+    assert {row[-1] for row in rows(engine, "delayed_queue")} == {None}
+    assert schema_diff(engine, metadata) == []
+    queue: DelayedQueue[dict[str, int]] = DelayedQueue("q")
+    with Session(engine) as session, session.begin():
+        old = queue.try_poll(session)
+        assert old is not None and (old.key, dict(old.headers)) == ("key/0", {})
+        queue.offer(session, "new", {"i": -1}, headers={"traceparent": "00-x"})
+    with Session(engine) as session:
+        info = queue.get(session, "new")
+        assert info is not None and dict(info.headers) == {"traceparent": "00-x"}
+    assert_queue_table(backend, engine, "delayed_queue")
+
+    command.downgrade(config, "delayedq_0004")
+
+    assert "headers" not in column_names(engine, "delayed_queue")
+    assert len(rows(engine, "delayed_queue")) == 101
+
+
+#: A host revision that adds the headers column to a table made by an earlier version.
+HOST_HEADERS_REVISION = """
+from sqla_delayedq.migration import add_headers_column, drop_headers_column
+
+revision = "0003"
+down_revision = "0002"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    add_headers_column("outbox")
+
+
+def downgrade() -> None:
+    drop_headers_column("outbox")
+"""
+
+
+def test_host_revision_adds_headers_to_an_older_table(
+    fresh_database: tuple[str, URL], engine_for: Any, tmp_path: Path
+) -> None:
+    backend, url = fresh_database
+    engine = engine_for(url)
+    host_database(backend, engine)
+    root = host_copy(tmp_path, keep_versions=True)
+    versions_dir = root / "migrations" / "versions"
+    (versions_dir / "0002_byte_exact_keys.py").write_text(HOST_KEY_COLLATION_REVISION)
+    (versions_dir / "0003_headers.py").write_text(HOST_HEADERS_REVISION)
+    config = alembic_config(root / "alembic.ini", url)
+    command.upgrade(config, "0002")
+    with engine.begin() as conn, Operations.context(MigrationContext.configure(conn)):
+        drop_headers_column("outbox")  # the outbox as sqla_delayedq 0.1 created it
+    with engine.begin() as conn:
+        conn.execute(
+            sa.table("outbox", *[sa.column(c.name, c.type) for c in V0001.c]).insert(),
+            [dict(V0001_ROW, key=f"k/{i}") for i in range(20)],
+        )
+    before = rows(engine, "outbox")
+
+    command.upgrade(config, "head")
+
+    assert [row[:-1] for row in rows(engine, "outbox")] == before
+    assert schema_diff(engine, Base.metadata) == []
+    assert_queue_table(backend, engine, "outbox")
+    queue: DelayedQueue[dict[str, int]] = DelayedQueue("q", model=OutboxMessage)
+    with Session(engine) as session, session.begin():
+        queue.offer(session, "k/0", {"i": 1}, headers={"request-id": "r1"})
+    with Session(engine) as session, session.begin():
+        taken = {e.key: dict(e.headers) for e in queue.try_poll_many(session, 30)}
+    assert len(taken) == 20 and taken["k/0"] == {"request-id": "r1"} and taken["k/1"] == {}
+
+    # On a table that has the column already (made by today's create_queue_table): harmless.
+    command.downgrade(config, "base")
+    command.upgrade(config, "head")
+    assert schema_diff(engine, Base.metadata) == []
 
 
 # -- a host project ------------------------------------------------------------------------------
