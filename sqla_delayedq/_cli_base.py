@@ -492,6 +492,7 @@ def message_dict(m: MessageInfo) -> dict[str, Any]:
         "last_attempt_at": iso(m.last_attempt_at),
         "last_error": m.last_error,
         "lock_token": m.lock_token,
+        "headers": dict(m.headers),
     }
 
 

@@ -25,8 +25,8 @@ keeps it, and ours is consulted after it.
 ``create_queue_table`` builds the table from the mixin of the installed version. A table created
 by an older version gets each later change from an operation shipped for it, which a revision of
 the host's calls once: :func:`upgrade_key_collation` (keys compared byte for byte on
-MariaDB/MySQL) and :func:`add_headers_column` (message headers, sqla_delayedq 0.2). Each such
-operation emits fixed DDL and is harmless on a table that has the change
+MariaDB/MySQL) and :func:`add_headers_column` (message headers, the change of ``delayedq_0005``).
+Each such operation emits fixed DDL and is harmless on a table that has the change
 already, so a revision stays correct whichever version created the table.
 
 This module imports Alembic; ``import sqla_delayedq`` does not import it.
@@ -140,9 +140,10 @@ def downgrade_key_collation(table_name: str = DEFAULT_TABLE, *, schema: str | No
 
 def add_headers_column(table_name: str = DEFAULT_TABLE, *, schema: str | None = None) -> None:
     """Add the nullable ``headers`` column (``TEXT``: a JSON object of strings) that messages
-    carry since sqla_delayedq 0.2; existing rows get none. Harmless on a table that has it already
-    (autogenerate's revision, or ``create_queue_table`` of 0.2 or later): the column is added only
-    when a live connection shows it missing; offline (``--sql``) it is always emitted."""
+    carry (the default table got it in revision ``delayedq_0005``); existing rows get none.
+    Harmless on a table that has it already (made by autogenerate or by a ``create_queue_table``
+    that knows headers): the column is added only when a live connection shows it missing;
+    offline (``--sql``) it is always emitted."""
     if _has_column(table_name, "headers", schema):
         return
     op.add_column(table_name, sa.Column("headers", sa.Text(), nullable=True), schema=schema)

@@ -316,8 +316,10 @@ def test_ls_lists_messages_by_id_with_paging(backend: Backend, run: Run) -> None
         "last_attempt_at",
         "last_error",
         "lock_token",
+        "headers",
     ]
     assert (m["state"], m["attempts"], m["scheduled_at"]) == ("dead", 1, None)
+    assert m["headers"] == {}
     assert m["last_error"].startswith("ValueError: bad address")
     assert m["created_at"].endswith("+00:00")
 
@@ -401,6 +403,17 @@ def test_show_a_message(backend: Backend, run: Run) -> None:
     assert "ValueError: bad address" in result.stdout
     assert '"companyId": 7' in result.stdout
     assert_one_line_error(run("show", "-q", "emails", "nope"), 1, "no message with key 'nope'")
+
+
+@on_pg_and_sqlite
+def test_show_a_messages_headers(backend: Backend, run: Run) -> None:
+    with backend.Session() as s, s.begin():
+        DelayedQueue[Any]("emails").offer(s, "h/1", {"n": 1}, headers={"request-id": "req-9"})
+    (m,) = run_json(run, "show", "h/1")["messages"]
+    assert m["headers"] == {"request-id": "req-9"}
+    result = run("show", "-q", "emails", "h/1")
+    assert result.exit_code == 0
+    assert "header request-id" in result.stdout and "req-9" in result.stdout
 
 
 @on_pg_and_sqlite

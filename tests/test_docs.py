@@ -46,6 +46,7 @@ PAGES = [
     "docs/testing.md",
     "docs/payloads.md",
     "docs/controls.md",
+    "docs/traces.md",
 ]
 
 FENCE = re.compile(r"^```(\S*)[ \t]*(.*?)[ \t]*$")

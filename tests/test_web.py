@@ -286,6 +286,17 @@ def test_message_page_shows_payload_schedule_attempts_error_and_lock(
     assert "in flight until" in html and second.lock_token[:12] in html
 
 
+def test_message_page_shows_the_headers_as_text(backend: Backend, client: TestClient) -> None:
+    q = queue()
+    headers = {"traceparent": "00-4bf9-00f0-01", "x-evil": "<script>alert(1)</script>"}
+    with backend.Session() as s, s.begin():
+        q.offer(s, "h/1", {"n": 1}, headers=headers)
+    [id] = ids_in(client.get("/messages?table=delayed_queue&queue=emails").text)
+    html = client.get(f"/message?table=delayed_queue&queue=emails&id={id}").text
+    assert "<dt>header traceparent</dt><dd><code>00-4bf9-00f0-01</code></dd>" in html
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html and "<script>alert" not in html
+
+
 def test_bytes_payloads_show_as_hex_and_base64(backend: Backend, client: TestClient) -> None:
     from sqla_delayedq.serializers import BytesSerializer
 

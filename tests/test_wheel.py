@@ -273,7 +273,8 @@ def test_host_project_migrates_and_its_worker_runs_from_the_wheel(
     by_key = {fields[1]: fields[2:] for fields in handled_lines(events)}
     assert sorted(by_key) == ["invoice/1", "invoice/2", "invoice/3"]
     for n in (1, 2, 3):
-        type_name, number, cents, lease_left = by_key[f"invoice/{n}"]
+        type_name, number, cents, lease_left, request_id = by_key[f"invoice/{n}"]
+        assert request_id == f"req-{n}"  # the producer process's headers reached the worker
         # The host's serializer decoded b"INV|2030-000n|n099" into its Invoice class ...
         assert (type_name, number, int(cents)) == ("Invoice", f"2030-{n:04}", 1000 * n + 99)
         # ... and the host's 42-minute lease (not the default 5 minutes) was in force.

@@ -78,6 +78,7 @@ def _mode_clause(mode: OfferMode, marked: bool) -> sql.Composable:
             sql.SQL("payload_type = EXCLUDED.payload_type"),
             sql.SQL("payload = EXCLUDED.payload"),
             sql.SQL("payload_bytes = NULL"),
+            sql.SQL("headers = NULL"),  # the offer's headers: a bulk offer sends none
             *(
                 sql.SQL("{} = {}").format(sql.Identifier(c), sql.Literal(v))
                 for c, v in FRESH.items()

@@ -12,5 +12,6 @@ first, count = int(sys.argv[1]), int(sys.argv[2])
 with Session() as session, session.begin():
     for n in range(first, first + count):
         session.add(Customer(name=f"customer {n}"))
-        invoices.offer(session, f"invoice/{n}", Invoice(f"2030-{n:04}", 1000 * n + 99))
+        invoice = Invoice(f"2030-{n:04}", 1000 * n + 99)
+        invoices.offer(session, f"invoice/{n}", invoice, headers={"request-id": f"req-{n}"})
 print(f"offered {count}")

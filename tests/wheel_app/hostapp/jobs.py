@@ -2,7 +2,8 @@
 
 Invoices travel as bytes (``INV|<number>|<cents>``) through a serializer of the host's own, with
 a 42-minute lease and three attempts. The handler writes one line per message to
-``$HOSTAPP_EVENTS``: ``handled KEY TYPE NUMBER CENTS LEASE_SECONDS_LEFT``.
+``$HOSTAPP_EVENTS``: ``handled KEY TYPE NUMBER CENTS LEASE_SECONDS_LEFT REQUEST_ID`` (the
+``request-id`` header the producer sent).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def send_invoice(envelope: Envelope[Invoice]) -> None:
     left = (envelope.lease_until - datetime.now(timezone.utc)).total_seconds()
     line = (
         f"handled {envelope.key} {type(invoice).__name__} {invoice.number} {invoice.cents} "
-        f"{left:.0f}\n"
+        f"{left:.0f} {envelope.headers.get('request-id', '-')}\n"
     )
     with Path(os.environ["HOSTAPP_EVENTS"]).open("a", encoding="utf-8") as f:
         f.write(line)
