@@ -269,3 +269,48 @@ def test_the_trace_crosses_from_a_producer_process_to_the_worker(
         assert span.context is not None and span.context.trace_id == trace_id
         assert span.parent is not None and span.parent.is_remote
     assert trace.INVALID_SPAN_ID not in {s.parent.span_id for s in processed(exporter) if s.parent}
+
+
+def test_an_asyncio_producer_continues_its_requests_trace(
+    backend: Backend, spans: tuple[TracerProvider, InMemorySpanExporter]
+) -> None:
+    """An ``AsyncQueue`` over an instrumented queue (a FastAPI endpoint, say): the send span is a
+    child of the request's, and the message carries the send span's context."""
+    import asyncio
+
+    import sqlalchemy as sa
+    from sqlalchemy.ext.asyncio import async_sessionmaker
+
+    from sqla_delayedq.aio import AsyncQueue, create_async_engine
+    from tests.fix_db import ASYNC_DRIVERS
+
+    provider, exporter = spans
+    tracer = provider.get_tracer("test")
+    queue = AsyncQueue(instrument_queue(DelayedQueue[Any]("mail"), tracer=tracer))
+    url = backend.url.set(drivername=ASYNC_DRIVERS[backend.name.split("-")[0]])
+
+    async def request() -> int:
+        engine = create_async_engine(url, poolclass=sa.NullPool)
+        try:
+            with tracer.start_as_current_span("POST /signup") as span:
+                async with async_sessionmaker(engine)() as s, s.begin():
+                    await queue.offer(s, "welcome/1", {"user": 1})
+                    await queue.offer_batch(s, [("welcome/2", {"user": 2})])
+            return span.get_span_context().trace_id
+        finally:
+            await engine.dispose()
+
+    trace_id = asyncio.run(request())
+    sends = [s for s in exporter.get_finished_spans() if s.name == "send mail"]
+    assert len(sends) == 2
+    with backend.Session() as s, s.begin():
+        taken = {
+            e.key: e.headers["traceparent"] for e in DelayedQueue[Any]("mail").try_poll_many(s, 5)
+        }
+    for send, key in zip(sends, ("welcome/1", "welcome/2"), strict=True):
+        assert send.context is not None and send.context.trace_id == trace_id
+        assert send.parent is not None
+        assert taken[key].split("-")[1:3] == [
+            format(trace_id, "032x"),
+            format(send.context.span_id, "016x"),
+        ]
