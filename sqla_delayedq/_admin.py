@@ -109,6 +109,7 @@ class AdminMixin:
             lock_token=row.lock_token,
             decode_error=problem,
             headers=decode_headers(row.headers),
+            group=row.group_key,
         )
 
     @transient_as_ours

@@ -78,6 +78,8 @@ WORKER_SETTINGS = {
     "serializer": "DelayedQueue(serializer=...)",
     "payload_type": "DelayedQueue(serializer=...)",
     "no_listen": "Worker(listen=False)",
+    "groups": "DelayedQueue(groups=True)",
+    "dead_blocks_group": "DelayedQueue(groups=True, dead_blocks_group=True)",
     "otel": "Worker(hooks=OtelHooks()) and register(queue, traced_handler(handler))",
 }
 
@@ -279,6 +281,16 @@ def run_user_worker(
 @click.option("--payload-type", help="The serializer's type name (default: json / bytes).")
 @click.option("--no-listen", is_flag=True, help="Do not LISTEN for offers (PostgreSQL).")
 @click.option(
+    "--groups",
+    is_flag=True,
+    help="Deliver messages that share a group key one at a time, in schedule order.",
+)
+@click.option(
+    "--dead-blocks-group",
+    is_flag=True,
+    help="With --groups: a dead message holds the rest of its group back.",
+)
+@click.option(
     "--metrics-port",
     type=click.IntRange(0, 65535),
     help="Serve Prometheus metrics (added to a worker's own hooks).",
@@ -328,6 +340,8 @@ def worker(
     serializer: str,
     payload_type: str | None,
     no_listen: bool,
+    groups: bool,
+    dead_blocks_group: bool,
     metrics_port: int | None,
     otel: bool,
     heartbeat: timedelta,
@@ -400,6 +414,8 @@ def run_quick_form(
     serializer: str,
     payload_type: str | None,
     no_listen: bool,
+    groups: bool,
+    dead_blocks_group: bool,
     metrics_port: int | None,
     otel: bool,
     heartbeat: timedelta,
@@ -411,6 +427,8 @@ def run_quick_form(
 
     if lease <= timedelta(0) or poll_interval <= timedelta(0) or heartbeat <= timedelta(0):
         raise BadInput("--lease, --poll-interval and --heartbeat must be greater than 0")
+    if dead_blocks_group and not groups:
+        raise BadInput("--dead-blocks-group needs --groups")
     configure_logging(ctx, log_level)
     db = open_db(ctx, url, table, pool_size=concurrency + 4, max_overflow=concurrency)
     names = list(dict.fromkeys(queues))
@@ -435,6 +453,8 @@ def run_quick_form(
             serializer=serializer_for(serializer, payload_type),
             lease=lease,
             retry=ExponentialBackoff(max_attempts=max_attempts),
+            groups=groups,
+            dead_blocks_group=dead_blocks_group,
         )
         w.register(queue, fn, mode=cast("Mode", mode), lease=lease, handler_timeout=handler_timeout)
     monitor(w, heartbeat.total_seconds(), no_monitor)

@@ -78,6 +78,8 @@ class NewRow(NamedTuple):
     at0: datetime | None
     #: The headers as stored (JSON text), or None.
     headers: str | None = None
+    #: The message's group, or None.
+    group: str | None = None
 
 
 class Listener(abc.ABC):
@@ -172,6 +174,7 @@ class Strategy(abc.ABC):
                 "created_at": now,
                 "attempts": 0,
                 "headers": r.headers,
+                "group_key": r.group,
                 "lock_token": token,
             }
             for r in rows
@@ -211,9 +214,19 @@ class Strategy(abc.ABC):
             stmt = self._statements[(t, name)] = build()
         return stmt
 
-    def _due(self, session: Session, t: Table, queue: str, now: datetime, limit: int) -> Any:
+    def _due(
+        self,
+        session: Session,
+        t: Table,
+        queue: str,
+        now: datetime,
+        limit: int,
+        grouping: st.Grouping = None,
+    ) -> Any:
         stmt = self.cached(
-            t, "due", lambda: st.select_due(t, P.queue, P.now, P.limit, self.poll_lock)
+            t,
+            f"due:{grouping}",
+            lambda: st.select_due(t, P.queue, P.now, P.limit, self.poll_lock, grouping),
         )
         return session.execute(stmt, P.take(queue, now, now, limit, "")).all()
 
@@ -248,10 +261,11 @@ class Strategy(abc.ABC):
         lease_until: datetime,
         limit: int,
         prefix: str,
+        grouping: st.Grouping = None,
     ) -> Claims:
         """Pick up to ``limit`` due rows (skipping locked ones) and take them; the pick looks
-        at one row more, to say whether more is due."""
-        picked = self._due(session, t, queue, now, limit + 1)
+        at one row more, to say whether more is due. ``grouping``: see :func:`st.group_head`."""
+        picked = self._due(session, t, queue, now, limit + 1, grouping)
         if not picked:
             return Claims([], False)
         more, picked = len(picked) > limit, picked[:limit]
@@ -285,7 +299,13 @@ class Strategy(abc.ABC):
         return set(ids)
 
     def consume(
-        self, session: Session, t: Table, queue: str, now: datetime, limit: int
+        self,
+        session: Session,
+        t: Table,
+        queue: str,
+        now: datetime,
+        limit: int,
+        grouping: st.Grouping = None,
     ) -> list[Any]:
         """Take up to ``limit`` due rows by deleting them in the caller's transaction.
 
@@ -293,13 +313,15 @@ class Strategy(abc.ABC):
         delete; the rows come back in due order, as they were.
         """
         if not self.delete_returning:
-            picked = self._due(session, t, queue, now, limit)
+            picked = self._due(session, t, queue, now, limit, grouping)
             if picked:
                 session.execute(delete(t).where(t.c.id.in_([r.id for r in picked])))
             return list(picked)
         skip_locked = self.poll_lock is not None
         stmt = self.cached(
-            t, "consume", lambda: st.consume_returning(t, P.queue, P.now, P.limit, skip_locked)
+            t,
+            f"consume:{grouping}",
+            lambda: st.consume_returning(t, P.queue, P.now, P.limit, skip_locked, grouping),
         )
         rows = list(session.execute(stmt, P.take(queue, now, now, limit, "")).all())
         rows.sort(key=lambda r: (r.scheduled_at, r.id))
@@ -379,6 +401,8 @@ class PostgreSQLStrategy(Strategy):
                 doc += ',"a0":"' + r.at0.isoformat() + '"'
             if r.headers is not None:
                 doc += ',"h":' + quote(r.headers)
+            if r.group is not None:
+                doc += ',"g":' + quote(r.group)
             parts.append(doc + "}")
         params = {
             "u_queue": queue,
@@ -403,9 +427,12 @@ class PostgreSQLStrategy(Strategy):
         lease_until: datetime,
         limit: int,
         prefix: str,
+        grouping: st.Grouping = None,
     ) -> Claims:
         stmt = self.cached(
-            t, "claim", lambda: st.claim_returning(t, P.queue, P.now, P.until, P.limit, P.prefix)
+            t,
+            f"claim:{grouping}",
+            lambda: st.claim_returning(t, P.queue, P.now, P.until, P.limit, P.prefix, grouping),
         )
         rows = session.execute(stmt, P.take(queue, now, lease_until, limit, prefix)).all()
         claimed = [Claimed(r, r.prev_token, r.prev_scheduled_at) for r in rows]

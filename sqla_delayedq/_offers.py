@@ -42,8 +42,13 @@ from .models import KEY_MAX
 
 __all__ = ["OfferInput", "Target", "message_key", "offer_batch", "offer_one"]
 
-#: One message of a batch: ``(key, payload)`` or ``(key, payload, at)``; ``key`` may be None.
-OfferInput = tuple[str | None, Any] | tuple[str | None, Any, datetime | None]
+#: One message of a batch: ``(key, payload)``, ``(key, payload, at)`` or ``(key, payload, at,
+#: group)``; ``key``, ``at`` and ``group`` may be None.
+OfferInput = (
+    tuple[str | None, Any]
+    | tuple[str | None, Any, datetime | None]
+    | tuple[str | None, Any, datetime | None, str | None]
+)
 
 #: How many times a compare-and-swap is retried before giving up; each lost round means another
 #: transaction changed the row in between, which row locks make rare outside SQLite.
@@ -65,6 +70,7 @@ class Target(Protocol):
     @property
     def notify(self) -> bool: ...
     def now(self) -> datetime: ...
+    def _check_group(self, group: str | None) -> str | None: ...
 
 
 def message_key(key: str | None) -> str:
@@ -90,10 +96,12 @@ def offer_one(
     at: datetime | None,
     now: datetime,
     mode: OfferMode,
+    group: str | None = None,
 ) -> Outcome:
-    """Insert-if-absent, else compare-and-swap by the offer-mode rule (no wake-up)."""
+    """Insert-if-absent, else compare-and-swap by the offer-mode rule (no wake-up); ``group``
+    is the new row's."""
     t = q.table
-    row = new_row(q.name, key, payload, at or now, now)
+    row = new_row(q.name, key, payload, at or now, now, group)
     notify = _notify_on_insert(q, session, strategy)
     for _ in range(CAS_ROUNDS):
         if strategy.insert_one(session, t, row, notify=notify):
@@ -130,7 +138,7 @@ def _notify_on_insert(q: Target, session: Session, strategy: Strategy) -> str | 
 class _Item:
     """One message of a batch, serialized once; its row values are decoded only if needed."""
 
-    __slots__ = ("_codec", "_values", "at", "headers", "index", "key", "stored")
+    __slots__ = ("_codec", "_values", "at", "group", "headers", "index", "key", "stored")
 
     def __init__(
         self,
@@ -140,9 +148,10 @@ class _Item:
         stored: str | bytes,
         at: datetime | None,
         headers: str | None,
+        group: str | None,
     ) -> None:
         self._codec, self.index, self.key, self.stored, self.at = codec, index, key, stored, at
-        self.headers = headers
+        self.headers, self.group = headers, group
         self._values: dict[str, Any] | None = None
 
     @property
@@ -155,8 +164,8 @@ class _Item:
 
     def new_row(self) -> NewRow:
         if isinstance(self.stored, str):
-            return NewRow(self.key, self.stored, None, self.at, None, self.headers)
-        return NewRow(self.key, None, self.stored, self.at, None, self.headers)
+            return NewRow(self.key, self.stored, None, self.at, None, self.headers, self.group)
+        return NewRow(self.key, None, self.stored, self.at, None, self.headers, self.group)
 
 
 class _Plan(NamedTuple):
@@ -175,22 +184,26 @@ def chunk_size(strategy: Strategy) -> int:
 
 
 def _validate(
-    codec: Codec[Any], messages: Iterable[OfferInput], headers: str | None
+    q: Target, messages: Iterable[OfferInput], headers: str | None, group: str | None
 ) -> list[_Item]:
+    codec = q.codec
     items: list[_Item] = []
     append, serialize = items.append, codec.serialize  # looked up once: hot loop
+    shape = "a (key, payload[, at[, group]]) tuple"
     for i, message in enumerate(messages):
         if not isinstance(message, tuple):
-            raise InvalidArgument(f"messages[{i}] must be a (key, payload[, at]) tuple")
+            raise InvalidArgument(f"messages[{i}] must be {shape}")
         size = len(message)
-        if size == 2:
-            at = None
-        elif size == 3:
+        at, own_group = None, group
+        if size not in (2, 3, 4):
+            raise InvalidArgument(f"messages[{i}] must be {shape}")
+        if size >= 3:
             at_arg = message[2]  # type: ignore[misc]  # the size was just checked
             at = None if at_arg is None else require_aware(at_arg, f"messages[{i}] at")
-        else:
-            raise InvalidArgument(f"messages[{i}] must be a (key, payload[, at]) tuple")
-        append(_Item(codec, i, message_key(message[0]), serialize(message[1]), at, headers))
+        if size == 4 and message[3] is not None:  # type: ignore[misc]
+            own_group = q._check_group(message[3])  # type: ignore[misc]
+        key = message_key(message[0])
+        append(_Item(codec, i, key, serialize(message[1]), at, headers, own_group))
     return items
 
 
@@ -200,11 +213,12 @@ def offer_batch(
     messages: Iterable[OfferInput],
     mode: OfferMode,
     headers: str | None = None,
+    group: str | None = None,
 ) -> list[OfferResult]:
     """Offer many messages: one outcome per message, in input order (see the module);
-    ``headers`` (stored form) go with each."""
+    ``headers`` (stored form) go with each, and ``group`` with each that is created."""
     now = q.now()
-    items = _validate(q.codec, messages, headers)
+    items = _validate(q, messages, headers, group)
     if not items:
         return []
     by_key: dict[str, list[_Item]] = {}
@@ -230,7 +244,7 @@ def _fold(
     outcomes: list[tuple[int, Outcome]] = []
     for item in items:
         if state is None:
-            fresh = new_row(q.name, key, item.values, item.at or now, now)
+            fresh = new_row(q.name, key, item.values, item.at or now, now, item.group)
             state = SimpleNamespace(**fresh, lock_token=None)
             outcomes.append((item.index, Outcome.CREATED))
             continue
@@ -257,6 +271,7 @@ def _insert_row(key: str, state: Any) -> NewRow:
         state.scheduled_at,
         state.scheduled_at_initially,
         state.headers,
+        state.group_key,
     )
 
 
@@ -313,7 +328,7 @@ def _offer_chunk(
         # Inserted by a concurrent transaction after our SELECT: replay its offers singly.
         for item in by_key[key]:
             outcomes[item.index] = offer_one(
-                q, session, strategy, key, item.values, item.at, now, mode
+                q, session, strategy, key, item.values, item.at, now, mode, item.group
             )
 
 

@@ -25,8 +25,8 @@ from ._offers import OfferInput
 from ._rules import after_failure
 from ._time import Clock, require_aware, require_duration, system_clock
 from ._types import Delivery, Envelope, NackOutcome, OfferMode, OfferResult, Outcome
-from .errors import DecodeError
-from .models import QUEUE_MAX, DelayedMessage, QueueMessageMixin
+from .errors import DecodeError, InvalidArgument
+from .models import KEY_MAX, QUEUE_MAX, DelayedMessage, QueueMessageMixin
 from .retry import ExponentialBackoff, RetryPolicy
 from .serializers import JsonSerializer, Serializer
 
@@ -50,6 +50,7 @@ def _envelope(row: Any, payload: T, due_at: datetime, prev_token: str | None) ->
         lock_token=row.lock_token,
         lease_until=row.scheduled_at,
         headers=decode_headers(row.headers),
+        group=row.group_key,
     )
 
 
@@ -65,6 +66,10 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
     :param clock: the time source; inject one in tests instead of sleeping.
     :param notify: wake idle workers when an offer commits (``NOTIFY`` on PostgreSQL, in-process
         wake-ups everywhere).
+    :param groups: messages offered with a ``group`` are delivered one of a group at a time, in
+        schedule order (first schedule, then offer order); other groups are not held back.
+    :param dead_blocks_group: with ``groups``, a dead message holds the rest of its group back
+        until it is requeued or dropped (by default the next message goes on).
     """
 
     def __init__(
@@ -78,8 +83,15 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         retention: timedelta | None = None,
         clock: Clock = system_clock,
         notify: bool = True,
+        groups: bool = False,
+        dead_blocks_group: bool = False,
     ) -> None:
         self.name = check_name(name, "queue name", QUEUE_MAX)
+        if dead_blocks_group and not groups:
+            raise InvalidArgument("dead_blocks_group needs groups=True")
+        self.grouping: st.Grouping = (
+            None if not groups else "dead_blocks" if dead_blocks_group else "dead_skips"
+        )
         self.model = model
         self.table: Table = cast(Table, model.__table__)  # type: ignore[attr-defined]
         self.shape = st.message_shape(self.table)
@@ -107,6 +119,7 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         *,
         mode: OfferMode | str = OfferMode.REPLACE,
         headers: Mapping[str, str] | None = None,
+        group: str | None = None,
     ) -> OfferResult:
         """Enqueue ``payload`` under ``key`` (generated when None), due at ``at`` (now).
 
@@ -114,7 +127,8 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         An update resets the lease, so a consumer still holding the old version cannot ack it.
         ``headers`` (str to str, for example a trace context) travel with the message to
         :attr:`Envelope.headers`; they are not part of its identity (an offer that changes only
-        them is ``IGNORED``), and an update stores the updating offer's.
+        them is ``IGNORED``), and an update stores the updating offer's. ``group`` (a queue with
+        ``groups=True``) puts a new message in that group; an update keeps the message's group.
         """
         mode = OfferMode.parse(mode)
         key = _offers.message_key(key)
@@ -122,8 +136,9 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         when = None if at is None else require_aware(at, "at")
         values = self.codec.values(payload)
         values["headers"] = encode_headers(headers)
+        group = self._check_group(group)
         strategy = strategy_for(session)
-        outcome = _offers.offer_one(self, session, strategy, key, values, when, now, mode)
+        outcome = _offers.offer_one(self, session, strategy, key, values, when, now, mode, group)
         if outcome is not Outcome.IGNORED:
             _offers.wake(self, session, strategy, 1)
         return OfferResult(key, outcome)
@@ -136,6 +151,7 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         *,
         mode: OfferMode | str = OfferMode.REPLACE,
         headers: Mapping[str, str] | None = None,
+        group: str | None = None,
     ) -> list[OfferResult]:
         """Offer many messages: one outcome per message, in input order.
 
@@ -143,10 +159,23 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         under the backend's parameter limit, with a constant number of statements per chunk. A
         key repeated in the batch behaves as repeated offers in input order; a key inserted by a
         concurrent transaction falls back to the single-message path for that key only.
-        ``headers`` go with every message of the batch (as in :meth:`offer`).
+        ``headers`` go with every message of the batch, and ``group`` with every new one (as in
+        :meth:`offer`).
         """
         stored = encode_headers(headers)
-        return _offers.offer_batch(self, session, messages, OfferMode.parse(mode), stored)
+        group = self._check_group(group)
+        mode = OfferMode.parse(mode)
+        return _offers.offer_batch(self, session, messages, mode, stored, group)
+
+    def _check_group(self, group: str | None) -> str | None:
+        if group is None:
+            return None
+        if self.grouping is None:
+            raise InvalidArgument(
+                f"queue {self.name!r} has no groups: build it with DelayedQueue(..., groups=True) "
+                "in the producer and in the worker"
+            )
+        return check_name(group, "group", KEY_MAX)
 
     # -- take ----------------------------------------------------------------------------
 
@@ -159,7 +188,9 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         limit: int,
         prefix: str,
     ) -> Claims:
-        return strategy.claim(session, self.table, self.name, now, until, limit, prefix)
+        return strategy.claim(
+            session, self.table, self.name, now, until, limit, prefix, self.grouping
+        )
 
     def _payload(self, claimed: Claimed) -> T:
         return self.codec.decode(claimed.row)
@@ -222,7 +253,9 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         taken: list[tuple[Envelope[T], Any]] = []
         while len(taken) < n:
             now = self.now()
-            rows = strategy.consume(session, self.table, self.name, now, n - len(taken))
+            rows = strategy.consume(
+                session, self.table, self.name, now, n - len(taken), self.grouping
+            )
             if not rows:
                 break
             buried = 0

@@ -41,6 +41,7 @@ INSERT_COLUMNS = (
     "created_at",
     "attempts",
     "headers",
+    "group_key",
 )
 
 #: The state an update by an offer gives a row back: pending, no lease, a fresh run.
@@ -72,14 +73,21 @@ OFFER_RULES: dict[OfferMode, OfferRule] = {
 
 
 def new_row(
-    queue: str, key: str, payload: dict[str, Any], at: datetime, now: datetime
+    queue: str,
+    key: str,
+    payload: dict[str, Any],
+    at: datetime,
+    now: datetime,
+    group: str | None = None,
 ) -> dict[str, Any]:
     """The columns of a new message row (``payload``: the codec's payload columns, and the
-    offer's ``headers`` when it has any)."""
+    offer's ``headers`` when it has any). The group is set here only: an offer that updates a
+    message never moves it to another group."""
     return {
         "queue": queue,
         "key": key,
         "headers": None,
+        "group_key": group,
         **payload,
         "status": "pending",
         "scheduled_at": at,

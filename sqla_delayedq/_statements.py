@@ -29,7 +29,9 @@ from sqlalchemy import (
     delete,
     func,
     literal,
+    or_,
     select,
+    true,
     type_coerce,
     update,
 )
@@ -113,6 +115,7 @@ ROW_COLUMNS = (
     "last_attempt_at",
     "last_error",
     "headers",
+    "group_key",
 )
 
 
@@ -186,11 +189,56 @@ def due_filter(shape: Shape, queue: Any, now: Any) -> ColumnElement[bool]:
     return and_(shape.queue == queue, shape.due <= now)
 
 
-def select_due(t: Table, queue: Any, now: Any, limit: Any, lock: Lock) -> Select[Any]:
-    """Due messages of one queue in schedule order: a range scan of the ``due`` index."""
+#: How a queue orders messages that share a group key (``DelayedQueue(groups=...)``): None for
+#: a queue without groups; ``"dead_skips"``: a dead message no longer holds its group back;
+#: ``"dead_blocks"``: it does, until it is requeued or dropped.
+Grouping = Literal["dead_skips", "dead_blocks"] | None
+
+
+def group_head(t: Table, grouping: Grouping) -> ColumnElement[bool]:
+    """A row that may be taken under its group's order: no group, or no message of its group
+    before it (by first schedule, then id) that is still pending (in flight, due, scheduled or
+    waiting for a retry) or, with ``dead_blocks``, dead. A probe of the ``group`` index.
+
+    Why this is exact under racing consumers: a message stays pending from its offer until it
+    is acknowledged, so the message after it is not a head while it is taken, whatever its lock.
+    The probe is a plain read in every backend (not a locking one, which ``SKIP LOCKED`` would
+    let skip the taken head), and it sees every commit made before the statement began.
+    """
+    if grouping is None:
+        return true()
+    earlier = t.alias("earlier")
+    blocking = earlier.c.status == "pending"
+    if grouping == "dead_blocks":
+        blocking = or_(blocking, earlier.c.status == "dead")
+    before = or_(
+        earlier.c.scheduled_at_initially < t.c.scheduled_at_initially,
+        and_(
+            earlier.c.scheduled_at_initially == t.c.scheduled_at_initially,
+            earlier.c.id < t.c.id,
+        ),
+    )
+    probe = (
+        select(literal(1))
+        .where(
+            earlier.c.queue == t.c.queue,
+            earlier.c.group_key == t.c.group_key,
+            blocking,
+            before,
+        )
+        .exists()
+    )
+    return or_(t.c.group_key.is_(None), ~probe)
+
+
+def select_due(
+    t: Table, queue: Any, now: Any, limit: Any, lock: Lock, grouping: Grouping = None
+) -> Select[Any]:
+    """Due messages of one queue in schedule order: a range scan of the ``due`` index (heads
+    of their groups only, when the queue has groups)."""
     stmt = (
         select(*columns(t, TAKE_COLUMNS))
-        .where(due_filter(message_shape(t), queue, now))
+        .where(due_filter(message_shape(t), queue, now), group_head(t, grouping))
         .order_by(t.c.scheduled_at, t.c.id)
         .limit(limit)
     )
@@ -269,7 +317,13 @@ def token_expr(shape: Shape, prefix: Any) -> ColumnElement[str]:
 
 
 def claim_returning(
-    t: Table, queue: Any, now: Any, lease_until: Any, limit: Any, prefix: Any
+    t: Table,
+    queue: Any,
+    now: Any,
+    lease_until: Any,
+    limit: Any,
+    prefix: Any,
+    grouping: Grouping = None,
 ) -> Update:
     """PostgreSQL: pick with ``SKIP LOCKED`` and take in one statement.
 
@@ -287,7 +341,7 @@ def claim_returning(
             t.c.lock_token.label("prev_token"),
             t.c.scheduled_at.label("prev_scheduled_at"),
         )
-        .where(due_filter(shape, queue, now))
+        .where(due_filter(shape, queue, now), group_head(t, grouping))
         .order_by(t.c.scheduled_at, t.c.id)
         .limit(limit + 1)
         .with_for_update(skip_locked=True)
@@ -313,12 +367,14 @@ def claim_returning(
     )
 
 
-def consume_returning(t: Table, queue: Any, now: Any, limit: Any, skip_locked: bool) -> Any:
+def consume_returning(
+    t: Table, queue: Any, now: Any, limit: Any, skip_locked: bool, grouping: Grouping = None
+) -> Any:
     """Take due rows by deleting them inside the caller's transaction (seed 002).
 
     The rows come back as they were; a rollback restores them, due at once.
     """
-    due = due_filter(message_shape(t), queue, now)
+    due = and_(due_filter(message_shape(t), queue, now), group_head(t, grouping))
     order = (t.c.scheduled_at, t.c.id)
     if skip_locked:
         picked = select(row_tid(t)).where(due).order_by(*order).limit(limit)
@@ -346,6 +402,7 @@ def recordset_insert(t: Table) -> Any:
             column("a", DateTime(timezone=True)),
             column("a0", DateTime(timezone=True)),
             column("h", Text()),
+            column("g", String()),
         )
         .render_derived(name="r", with_types=True)
     )
@@ -362,6 +419,7 @@ def recordset_insert(t: Table) -> Any:
         now,
         literal(0),
         r.c.h,
+        r.c.g,
     ).order_by(r.c.k)
     names = list(INSERT_COLUMNS)
     return (

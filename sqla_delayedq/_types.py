@@ -117,6 +117,8 @@ class Envelope(Generic[T]):
     lease_until: datetime
     #: What the offer sent along (for example a trace context); empty when it sent none.
     headers: Mapping[str, str] = field(default_factory=dict)
+    #: The message's group (a queue with ``groups=True``), or None.
+    group: str | None = None
 
     @property
     def redelivered(self) -> bool:
@@ -145,6 +147,8 @@ class MessageInfo:
     decode_error: str | None = None
     #: What the offer sent along; empty when it sent none.
     headers: Mapping[str, str] = field(default_factory=dict)
+    #: The message's group, or None.
+    group: str | None = None
 
 
 @dataclass(frozen=True)

@@ -130,9 +130,10 @@ class AsyncQueue(Generic[T]):
         *,
         mode: OfferMode | str = OfferMode.REPLACE,
         headers: Mapping[str, str] | None = None,
+        group: str | None = None,
     ) -> OfferResult:
         return await session.run_sync(
-            lambda s: self.queue.offer(s, key, payload, at, mode=mode, headers=headers)
+            lambda s: self.queue.offer(s, key, payload, at, mode=mode, headers=headers, group=group)
         )
 
     async def offer_batch(
@@ -142,10 +143,11 @@ class AsyncQueue(Generic[T]):
         *,
         mode: OfferMode | str = OfferMode.REPLACE,
         headers: Mapping[str, str] | None = None,
+        group: str | None = None,
     ) -> list[OfferResult]:
         items = list(messages)
         return await session.run_sync(
-            lambda s: self.queue.offer_batch(s, items, mode=mode, headers=headers)
+            lambda s: self.queue.offer_batch(s, items, mode=mode, headers=headers, group=group)
         )
 
     async def try_poll(

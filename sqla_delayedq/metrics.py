@@ -645,13 +645,14 @@ def instrument_queue(queue: Q, *, tracer: Tracer | None = None) -> Q:
         *,
         mode: OfferMode | str = OfferMode.REPLACE,
         headers: Mapping[str, str] | None = None,
+        **kwargs: Any,
     ) -> OfferResult:
         attrs = _span_attributes(queue.name, key)
         attrs["messaging.operation.type"] = "send"
         with t.start_as_current_span(name, kind=trace.SpanKind.PRODUCER, attributes=attrs) as span:
             carrier = dict(headers or {})
             propagate.inject(carrier)
-            result = offer(session, key, payload, at, mode=mode, headers=carrier)
+            result = offer(session, key, payload, at, mode=mode, headers=carrier, **kwargs)
             span.set_attribute("messaging.message.id", result.key)
             span.set_attribute("delayedq.outcome", result.outcome.value)
             return result

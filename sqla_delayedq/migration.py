@@ -25,7 +25,8 @@ keeps it, and ours is consulted after it.
 ``create_queue_table`` builds the table from the mixin of the installed version. A table created
 by an older version gets each later change from an operation shipped for it, which a revision of
 the host's calls once: :func:`upgrade_key_collation` (keys compared byte for byte on
-MariaDB/MySQL) and :func:`add_headers_column` (message headers, the change of ``delayedq_0005``).
+MariaDB/MySQL), :func:`add_headers_column` (message headers, the change of ``delayedq_0005``)
+and :func:`add_group_column` (message groups, ``delayedq_0006``).
 Each such operation emits fixed DDL and is harmless on a table that has the change
 already, so a revision stays correct whichever version created the table.
 
@@ -58,9 +59,11 @@ from .models import (
 )
 
 __all__ = [
+    "add_group_column",
     "add_headers_column",
     "create_queue_table",
     "downgrade_key_collation",
+    "drop_group_column",
     "drop_headers_column",
     "drop_queue_table",
     "queue_table",
@@ -152,6 +155,35 @@ def add_headers_column(table_name: str = DEFAULT_TABLE, *, schema: str | None = 
 def drop_headers_column(table_name: str = DEFAULT_TABLE, *, schema: str | None = None) -> None:
     """Undo :func:`add_headers_column`: the headers of stored messages are lost."""
     op.drop_column(table_name, "headers", schema=schema)
+
+
+def add_group_column(table_name: str = DEFAULT_TABLE, *, schema: str | None = None) -> None:
+    """Add the nullable ``group_key`` column (a key: ``VARCHAR(200)``, byte-exact) and its index
+    ``ix_<table>_group`` (queue, group_key, scheduled_at_initially, id; partial, ``WHERE group_key
+    IS NOT NULL``, on PostgreSQL and SQLite) that message groups need (``delayedq_0006`` for the
+    default table); existing rows get no group. Harmless on a table that has the column already;
+    offline (``--sql``) it is always emitted."""
+    if _has_column(table_name, "group_key", schema):
+        return
+    dialect = op.get_context().dialect
+    type_: Any = sa.String(200)
+    if family(dialect) is Family.MYSQL:
+        type_ = mysql.VARCHAR(200, charset="utf8mb4", collation=exact_collation(dialect))
+    op.add_column(table_name, sa.Column("group_key", type_, nullable=True), schema=schema)
+    op.create_index(
+        f"ix_{table_name}_group",
+        table_name,
+        ["queue", "group_key", "scheduled_at_initially", "id"],
+        schema=schema,
+        postgresql_where=sa.text("group_key IS NOT NULL"),
+        sqlite_where=sa.text("group_key IS NOT NULL"),
+    )
+
+
+def drop_group_column(table_name: str = DEFAULT_TABLE, *, schema: str | None = None) -> None:
+    """Undo :func:`add_group_column`: the groups of stored messages are lost."""
+    op.drop_index(f"ix_{table_name}_group", table_name=table_name, schema=schema)
+    op.drop_column(table_name, "group_key", schema=schema)
 
 
 def _has_column(table_name: str, column: str, schema: str | None) -> bool:

@@ -37,6 +37,7 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.dialects import mysql, postgresql
 from sqlalchemy.engine import Dialect
@@ -150,6 +151,9 @@ class QueueMessageMixin:
     last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
     #: Metadata offered with the message (a JSON object of strings), e.g. its trace context.
     headers: Mapped[str | None] = mapped_column(Text, nullable=True)
+    #: The message's group (``DelayedQueue(groups=True)``): one of a group in flight at a time,
+    #: in schedule order.
+    group_key: Mapped[str | None] = mapped_column(ExactString(KEY_MAX), nullable=True)
 
     @declared_attr.directive
     def __table_args__(cls) -> tuple[Any, ...]:
@@ -159,6 +163,17 @@ class QueueMessageMixin:
             # Due messages of one queue in order: an index range scan, never a table scan.
             Index(conv(f"ix_{table}_due"), "queue", "scheduled_at", "id"),
             Index(conv(f"ix_{table}_lock_token"), "lock_token"),
+            # A group's earlier messages, for the head-of-group probe of a grouped take; only
+            # rows with a group (MariaDB/MySQL have no partial indexes and index them all).
+            Index(
+                conv(f"ix_{table}_group"),
+                "queue",
+                "group_key",
+                "scheduled_at_initially",
+                "id",
+                postgresql_where=text("group_key IS NOT NULL"),
+                sqlite_where=text("group_key IS NOT NULL"),
+            ),
             CheckConstraint(
                 "status IN ('pending', 'done', 'dead')", name=conv(f"ck_{table}_status")
             ),

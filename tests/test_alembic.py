@@ -39,6 +39,7 @@ from sqla_delayedq.migration import (
     DATETIME_UTC_DDL,
     create_queue_table,
     downgrade_key_collation,
+    drop_group_column,
     drop_headers_column,
     drop_queue_table,
     queue_table,
@@ -481,7 +482,7 @@ def column_names(engine: Engine, table: str) -> list[str]:
     return [c["name"] for c in sa.inspect(engine).get_columns(table)]
 
 
-def test_headers_revision_keeps_the_rows_of_a_0004_table(
+def test_headers_and_groups_revisions_keep_the_rows_of_a_0004_table(
     fresh_database: tuple[str, URL], engine_for: Any
 ) -> None:
     backend, url = fresh_database
@@ -495,29 +496,38 @@ def test_headers_revision_keeps_the_rows_of_a_0004_table(
     assert "headers" not in column_names(engine, "delayed_queue")
 
     command.upgrade(config, "delayedq_0005")
+    command.upgrade(config, "delayedq_0006")
 
-    assert [row[:-1] for row in rows(engine, "delayed_queue")] == before
-    assert {row[-1] for row in rows(engine, "delayed_queue")} == {None}
+    assert [row[:-2] for row in rows(engine, "delayed_queue")] == before
+    assert {row[-2:] for row in rows(engine, "delayed_queue")} == {(None, None)}
     assert schema_diff(engine, metadata) == []
-    queue: DelayedQueue[dict[str, int]] = DelayedQueue("q")
+    queue: DelayedQueue[dict[str, int]] = DelayedQueue("q", groups=True)
     with Session(engine) as session, session.begin():
         old = queue.try_poll(session)
-        assert old is not None and (old.key, dict(old.headers)) == ("key/0", {})
-        queue.offer(session, "new", {"i": -1}, headers={"traceparent": "00-x"})
+        assert old is not None and (old.key, dict(old.headers), old.group) == ("key/0", {}, None)
+        queue.offer(session, "new", {"i": -1}, headers={"traceparent": "00-x"}, group="g")
     with Session(engine) as session:
         info = queue.get(session, "new")
-        assert info is not None and dict(info.headers) == {"traceparent": "00-x"}
+        assert info is not None and (dict(info.headers), info.group) == (
+            {"traceparent": "00-x"},
+            "g",
+        )
     assert_queue_table(backend, engine, "delayed_queue")
 
     command.downgrade(config, "delayedq_0004")
 
-    assert "headers" not in column_names(engine, "delayed_queue")
+    assert {"headers", "group_key"}.isdisjoint(column_names(engine, "delayed_queue"))
     assert len(rows(engine, "delayed_queue")) == 101
 
 
-#: A host revision that adds the headers column to a table made by an earlier version.
+#: A host revision that adds the headers and group columns to a table made by an earlier version.
 HOST_HEADERS_REVISION = """
-from sqla_delayedq.migration import add_headers_column, drop_headers_column
+from sqla_delayedq.migration import (
+    add_group_column,
+    add_headers_column,
+    drop_group_column,
+    drop_headers_column,
+)
 
 revision = "0003"
 down_revision = "0002"
@@ -527,14 +537,16 @@ depends_on = None
 
 def upgrade() -> None:
     add_headers_column("outbox")
+    add_group_column("outbox")
 
 
 def downgrade() -> None:
+    drop_group_column("outbox")
     drop_headers_column("outbox")
 """
 
 
-def test_host_revision_adds_headers_to_an_older_table(
+def test_host_revision_adds_headers_and_groups_to_an_older_table(
     fresh_database: tuple[str, URL], engine_for: Any, tmp_path: Path
 ) -> None:
     backend, url = fresh_database
@@ -547,7 +559,8 @@ def test_host_revision_adds_headers_to_an_older_table(
     config = alembic_config(root / "alembic.ini", url)
     command.upgrade(config, "0002")
     with engine.begin() as conn, Operations.context(MigrationContext.configure(conn)):
-        drop_headers_column("outbox")  # the outbox as sqla_delayedq 0.1 created it
+        drop_group_column("outbox")  # the outbox as sqla_delayedq 0.1 created it
+        drop_headers_column("outbox")
     with engine.begin() as conn:
         conn.execute(
             sa.table("outbox", *[sa.column(c.name, c.type) for c in V0001.c]).insert(),
@@ -557,15 +570,18 @@ def test_host_revision_adds_headers_to_an_older_table(
 
     command.upgrade(config, "head")
 
-    assert [row[:-1] for row in rows(engine, "outbox")] == before
+    assert [row[:-2] for row in rows(engine, "outbox")] == before
     assert schema_diff(engine, Base.metadata) == []
     assert_queue_table(backend, engine, "outbox")
-    queue: DelayedQueue[dict[str, int]] = DelayedQueue("q", model=OutboxMessage)
+    queue: DelayedQueue[dict[str, int]] = DelayedQueue("q", model=OutboxMessage, groups=True)
     with Session(engine) as session, session.begin():
         queue.offer(session, "k/0", {"i": 1}, headers={"request-id": "r1"})
+        queue.offer(session, "g/1", {"i": 1}, group="g")
+        queue.offer(session, "g/2", {"i": 2}, group="g")
     with Session(engine) as session, session.begin():
         taken = {e.key: dict(e.headers) for e in queue.try_poll_many(session, 30)}
-    assert len(taken) == 20 and taken["k/0"] == {"request-id": "r1"} and taken["k/1"] == {}
+    assert len(taken) == 21 and taken["k/0"] == {"request-id": "r1"} and taken["k/1"] == {}
+    assert "g/1" in taken and "g/2" not in taken  # one of the group at a time
 
     # On a table that has the column already (made by today's create_queue_table): harmless.
     command.downgrade(config, "base")

@@ -8,7 +8,7 @@ from typing import cast
 
 import sqlalchemy as sa
 
-from sqla_delayedq import DelayedMessage
+from sqla_delayedq import DelayedMessage, DelayedQueue
 from sqla_delayedq import _statements as st
 
 T = cast(sa.Table, DelayedMessage.__table__)
@@ -122,3 +122,33 @@ def test_take_finds_picked_rows_by_tid_on_a_bloated_table_analysed_after(pg, clo
         conn.exec_driver_sql("ANALYZE delayed_queue")
     with pg.engine.connect() as conn:
         assert_picked_rows_found_by_tid(take_plans(conn, clock()), pages(conn))
+
+
+# -- a queue with groups: the pick stays on the due index, the head probe on the group index -----
+
+
+def test_a_grouped_take_probes_the_group_index_with_10000_rows(pg, clock):
+    now = clock()
+    q = DelayedQueue[dict]("orders", groups=True)
+    with pg.Session() as s, s.begin():
+        q.offer_batch(
+            s,
+            [
+                (f"o{g}/{i}", {"i": i}, now - timedelta(seconds=1000 - i), f"o{g}")
+                for g in range(500)
+                for i in range(20)
+            ],
+        )
+        DelayedQueue[dict]("plain").offer_batch(s, [(f"p{i}", {}) for i in range(2000)])
+    with pg.engine.connect() as conn:
+        conn.exec_driver_sql("ANALYZE delayed_queue")
+        until = now + timedelta(minutes=5)
+        for grouping in ("dead_skips", "dead_blocks"):
+            for stmt in (
+                st.claim_returning(T, "orders", now, until, 10, "tok.", grouping),
+                st.consume_returning(T, "orders", now, 10, True, grouping),
+            ):
+                plan = explain(conn, stmt)
+                assert "ix_delayed_queue_due" in plan, plan
+                assert "ix_delayed_queue_group" in plan, plan
+                assert "Seq Scan" not in plan, plan

@@ -1,0 +1,170 @@
+"""Ordered delivery per group key: one message of a group in flight at a time, in schedule order.
+
+On every backend and in both consumption modes: a group's head holds the rest back while it is
+taken, waiting for a retry or (when the queue says so) dead; other groups and ungrouped messages
+are never held back; a lease that runs out gives the head back first. The races with many
+processes are in ``tests/test_groups_processes.py``.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+
+from sqla_delayedq import DelayedQueue, ExponentialBackoff, InvalidArgument, Outcome
+from sqla_delayedq.testing import ManualClock
+from tests.fix_db import Backend
+
+UTC = timezone.utc
+T0 = datetime(2030, 1, 1, tzinfo=UTC)
+
+
+def grouped(clock: ManualClock, **kw: Any) -> DelayedQueue[Any]:
+    retry = ExponentialBackoff(max_attempts=2, initial=timedelta(minutes=1), jitter=0)
+    return DelayedQueue("orders", groups=True, retry=retry, clock=clock, **kw)
+
+
+def keys(envelopes: list[Any]) -> list[str]:
+    return [e.key for e in envelopes]
+
+
+def test_one_of_a_group_at_a_time_in_schedule_order(backend: Backend) -> None:
+    clock = ManualClock(T0)
+    q = grouped(clock)
+    with backend.Session() as s, s.begin():
+        q.offer(s, "a2", {"n": 2}, T0 - timedelta(seconds=1), group="A")
+        q.offer(s, "a1", {"n": 1}, T0 - timedelta(seconds=2), group="A")
+        q.offer(s, "b1", {"n": 1}, T0 - timedelta(seconds=3), group="B")
+        q.offer(s, "b2", {"n": 2}, T0 - timedelta(seconds=3), group="B")
+        q.offer(s, "free1", {}, T0 - timedelta(seconds=5))
+        q.offer(s, "free2", {}, T0 - timedelta(seconds=5))
+    with backend.Session() as s, s.begin():
+        first = q.try_poll_many(s, 10)
+    # The heads of A and B (by first schedule, then offer order) and every ungrouped message.
+    assert keys(first) == ["free1", "free2", "b1", "a1"]
+    assert {e.key: e.group for e in first} == {"free1": None, "free2": None, "b1": "B", "a1": "A"}
+    with backend.Session() as s, s.begin():
+        assert q.try_poll_many(s, 10) == []  # a1 and b1 in flight hold a2 and b2 back
+        by_key = {e.key: e for e in first}
+        assert q.ack(s, by_key["a1"])
+    with backend.Session() as s, s.begin():
+        assert keys(q.try_poll_many(s, 10)) == ["a2"]  # B is still held by b1
+        assert q.ack(s, by_key["b1"])
+    with backend.Session() as s, s.begin():
+        assert keys(q.try_poll_many(s, 10)) == ["b2"]
+
+
+@pytest.mark.parametrize("dead_blocks", [False, True])
+def test_a_failing_head_holds_its_group_until_it_succeeds_or_dies(
+    backend: Backend, dead_blocks: bool
+) -> None:
+    clock = ManualClock(T0)
+    q = grouped(clock, dead_blocks_group=dead_blocks)
+    with backend.Session() as s, s.begin():
+        for i in range(3):
+            q.offer(s, f"a{i}", {"n": i}, T0 - timedelta(seconds=10 - i), group="A")
+        q.offer(s, "b0", {}, T0 - timedelta(seconds=1), group="B")
+    with backend.Session() as s, s.begin():
+        a0, b0 = q.try_poll_many(s, 10)
+        assert (a0.key, b0.key) == ("a0", "b0")
+        q.nack(s, a0, RuntimeError("payment service down"))  # retried in a minute
+        q.ack(s, b0)
+    with backend.Session() as s, s.begin():
+        assert q.try_poll_many(s, 10) == []  # a1 waits behind the retry of a0
+    clock.advance(timedelta(minutes=2))
+    with backend.Session() as s, s.begin():
+        (again,) = q.try_poll_many(s, 10)
+        assert (again.key, again.attempt) == ("a0", 2)
+        q.nack(s, again, RuntimeError("still down"))  # the last attempt: dead
+    with backend.Session() as s, s.begin():
+        after_death = keys(q.try_poll_many(s, 10))
+    if dead_blocks:
+        assert after_death == []
+        with backend.Session() as s, s.begin():
+            assert q.requeue_dead(s) == 1
+        with backend.Session() as s, s.begin():
+            (requeued,) = q.try_poll_many(s, 10)
+            assert requeued.key == "a0"
+            q.ack(s, requeued)
+        with backend.Session() as s, s.begin():
+            assert keys(q.try_poll_many(s, 10)) == ["a1"]
+    else:
+        assert after_death == ["a1"]
+
+
+def test_an_expired_lease_gives_the_head_back_first(backend: Backend) -> None:
+    clock = ManualClock(T0)
+    q = grouped(clock)
+    with backend.Session() as s, s.begin():
+        q.offer(s, "a0", {}, T0 - timedelta(seconds=2), group="A")
+        q.offer(s, "a1", {}, T0 - timedelta(seconds=1), group="A")
+    with backend.Session() as s, s.begin():
+        (first,) = q.try_poll_many(s, 10, lease=timedelta(seconds=30))
+    clock.advance(timedelta(seconds=31))
+    with backend.Session() as s, s.begin():
+        (again,) = q.try_poll_many(s, 10)
+        assert (again.key, again.redelivered) == ("a0", True)
+        assert not q.ack(s, first)  # the first consumer's lease is gone
+        assert q.ack(s, again)
+    with backend.Session() as s, s.begin():
+        assert keys(q.try_poll_many(s, 10)) == ["a1"]
+
+
+def test_transactional_takes_keep_the_group_order(backend: Backend) -> None:
+    clock = ManualClock(T0)
+    q = grouped(clock)
+    with backend.Session() as s, s.begin():
+        q.offer_batch(
+            s, [(f"a{i}", {"n": i}, T0 - timedelta(seconds=9 - i)) for i in range(3)], group="A"
+        )
+        q.offer_batch(
+            s, [(f"b{i}", {"n": i}, T0 - timedelta(seconds=9 - i)) for i in range(2)], group="B"
+        )
+    with backend.Session() as s, s.begin():
+        assert keys(q.consume(s, 10)) == ["a0", "b0"]
+        s.rollback()  # a rollback gives the heads back, still heads
+    with backend.Session() as s, s.begin():
+        failed = q.process_one(s, lambda e, session: 1 / 0)
+        assert failed is not None and failed[0].key == "a0" and failed[1] is not None
+    with backend.Session() as s, s.begin():
+        assert keys(q.consume(s, 10)) == ["b0"]  # a0 waits for its retry; a1 behind it
+    clock.advance(timedelta(minutes=2))
+    order: list[str] = []
+    while True:
+        with backend.Session() as s, s.begin():
+            done = q.process_one(s, lambda e, session: order.append(e.key))
+        if done is None:
+            break
+    assert order == ["b1", "a0", "a1", "a2"]  # by due time, each group in its order
+
+
+def test_an_update_keeps_the_messages_group(backend: Backend) -> None:
+    clock = ManualClock(T0)
+    q = grouped(clock)
+    with backend.Session() as s, s.begin():
+        q.offer(s, "k", {"v": 1}, group="A")
+        assert q.offer(s, "k", {"v": 2}, group="B").outcome is Outcome.UPDATED
+        q.offer_batch(s, [("k", {"v": 3})], group="C")
+        info = q.get(s, "k")
+        assert info is not None and (info.group, info.payload) == ("A", {"v": 3})
+
+
+def test_groups_are_refused_where_they_cannot_work(backend: Backend) -> None:
+    plain: DelayedQueue[Any] = DelayedQueue("plain")
+    with backend.Session() as s, s.begin():
+        plain.offer(s, "kept", {})
+        with pytest.raises(InvalidArgument, match="groups=True"):
+            plain.offer(s, "k", {}, group="A")
+        with pytest.raises(InvalidArgument, match="groups=True"):
+            plain.offer_batch(s, [("k2", {})], group="A")
+        q = grouped(ManualClock(T0))
+        bad_groups: list[tuple[Any, str]] = [("", "empty"), ("x" * 201, "limit is 200"), (7, "str")]
+        for bad, message in bad_groups:
+            with pytest.raises(InvalidArgument, match=message):
+                q.offer(s, "k3", {}, group=bad)
+    with backend.Session() as s:
+        assert plain.contains(s, "kept") and not plain.contains(s, "k")
+    with pytest.raises(InvalidArgument, match="groups=True"):
+        DelayedQueue("x", dead_blocks_group=True)
