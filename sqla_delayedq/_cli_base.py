@@ -493,6 +493,7 @@ def message_dict(m: MessageInfo) -> dict[str, Any]:
         "last_error": m.last_error,
         "lock_token": m.lock_token,
         "headers": dict(m.headers),
+        "group": m.group,
     }
 
 

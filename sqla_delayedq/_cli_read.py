@@ -278,6 +278,7 @@ def details_table(m: MessageInfo) -> Table:
         ("last attempt", human_time(m.last_attempt_at, now)),
         ("lock token", m.lock_token or "-"),
         ("payload type", m.payload_type),
+        *([("group", m.group)] if m.group is not None else []),
         *((f"header {name}", value) for name, value in sorted(m.headers.items())),
     ]
     for name, value in rows:

@@ -51,7 +51,7 @@ from ._rules import INSERT_COLUMNS
 from ._statements import P, Shape
 from ._wakeup import Wake
 from ._wakeup import parse as parse_wake
-from .errors import TransientError, UnsupportedBackend
+from .errors import DelayedQueueError, TransientError, UnsupportedBackend
 
 __all__ = [
     "Claimed",
@@ -251,6 +251,21 @@ class Strategy(abc.ABC):
         """Whether a plain read in the session's transaction may miss commits made before the
         transaction's last lock was granted (it then reads with a shared lock instead)."""
         return False
+
+    def check_group_isolation(self, session: Session) -> None:
+        """Refuse a grouped take whose head-of-group probe could read an old snapshot (see
+        :func:`st.group_head`); checked once per pooled connection."""
+        info = session.connection().connection.info
+        old = info.get("delayedq_snapshot_may_be_old")
+        if old is None:
+            old = info["delayedq_snapshot_may_be_old"] = self.snapshot_may_be_old(session)
+        if old:
+            raise DelayedQueueError(
+                "a queue with groups needs READ COMMITTED on MariaDB/MySQL, and this session "
+                "runs REPEATABLE READ, where a take could miss a message of the group still "
+                "pending: build the engine with sqla_delayedq.create_engine, or pass "
+                "isolation_level='READ COMMITTED'"
+            )
 
     def claim(
         self,

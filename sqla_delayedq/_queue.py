@@ -188,6 +188,8 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         limit: int,
         prefix: str,
     ) -> Claims:
+        if self.grouping is not None:
+            strategy.check_group_isolation(session)
         return strategy.claim(
             session, self.table, self.name, now, until, limit, prefix, self.grouping
         )
@@ -250,6 +252,8 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
 
     def _consume_rows(self, session: Session, n: int) -> list[tuple[Envelope[T], Any]]:
         strategy = strategy_for(session)
+        if self.grouping is not None:
+            strategy.check_group_isolation(session)
         taken: list[tuple[Envelope[T], Any]] = []
         while len(taken) < n:
             now = self.now()

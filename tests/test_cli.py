@@ -317,6 +317,7 @@ def test_ls_lists_messages_by_id_with_paging(backend: Backend, run: Run) -> None
         "last_error",
         "lock_token",
         "headers",
+        "group",
     ]
     assert (m["state"], m["attempts"], m["scheduled_at"]) == ("dead", 1, None)
     assert m["headers"] == {}
@@ -410,7 +411,7 @@ def test_show_a_messages_headers(backend: Backend, run: Run) -> None:
     with backend.Session() as s, s.begin():
         DelayedQueue[Any]("emails").offer(s, "h/1", {"n": 1}, headers={"request-id": "req-9"})
     (m,) = run_json(run, "show", "h/1")["messages"]
-    assert m["headers"] == {"request-id": "req-9"}
+    assert (m["headers"], m["group"]) == ({"request-id": "req-9"}, None)
     result = run("show", "-q", "emails", "h/1")
     assert result.exit_code == 0
     assert "header request-id" in result.stdout and "req-9" in result.stdout

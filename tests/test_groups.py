@@ -168,3 +168,30 @@ def test_groups_are_refused_where_they_cannot_work(backend: Backend) -> None:
         assert plain.contains(s, "kept") and not plain.contains(s, "k")
     with pytest.raises(InvalidArgument, match="groups=True"):
         DelayedQueue("x", dead_blocks_group=True)
+
+
+def test_a_grouped_take_refuses_repeatable_read_on_mariadb(mariadb: Backend) -> None:
+    """Under InnoDB's REPEATABLE READ the head probe could read a snapshot older than the locking
+    pick and miss a pending message of the group: refused with a clear error, nothing taken."""
+    import sqlalchemy as sa
+    from sqlalchemy.orm import Session
+
+    from sqla_delayedq import DelayedQueueError
+
+    q = grouped(ManualClock(T0))
+    plain: DelayedQueue[Any] = DelayedQueue("plain", clock=ManualClock(T0))
+    with mariadb.Session() as s, s.begin():
+        q.offer(s, "a0", {}, T0, group="A")
+        plain.offer(s, "p0", {}, T0)
+    engine = sa.create_engine(mariadb.url, isolation_level="REPEATABLE READ", poolclass=sa.NullPool)
+    try:
+        with Session(engine) as s, s.begin():
+            with pytest.raises(DelayedQueueError, match="READ COMMITTED"):
+                q.try_poll(s)
+            with pytest.raises(DelayedQueueError, match="READ COMMITTED"):
+                q.consume(s)
+            assert plain.try_poll(s) is not None  # queues without groups are not affected
+    finally:
+        engine.dispose()
+    with mariadb.Session() as s, s.begin():
+        assert keys(q.try_poll_many(s, 10)) == ["a0"]  # READ COMMITTED: taken

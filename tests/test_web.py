@@ -297,6 +297,15 @@ def test_message_page_shows_the_headers_as_text(backend: Backend, client: TestCl
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html and "<script>alert" not in html
 
 
+def test_message_page_shows_the_group(backend: Backend, client: TestClient) -> None:
+    q = DelayedQueue("emails", groups=True)
+    with backend.Session() as s, s.begin():
+        q.offer(s, "g/1", {"n": 1}, group="order-<7>")
+    [id] = ids_in(client.get("/messages?table=delayed_queue&queue=emails").text)
+    html = client.get(f"/message?table=delayed_queue&queue=emails&id={id}").text
+    assert "<dt>group</dt><dd><code>order-&lt;7&gt;</code></dd>" in html
+
+
 def test_bytes_payloads_show_as_hex_and_base64(backend: Backend, client: TestClient) -> None:
     from sqla_delayedq.serializers import BytesSerializer
 
