@@ -17,6 +17,7 @@ from . import _filters as flt
 from . import _statements as st
 from ._codec import Codec, decode_headers
 from ._dialects import transient_as_ours
+from ._rules import check_priority
 from ._time import require_aware, require_duration
 from ._types import MessageFilter, MessageInfo, QueueCounts, State
 from .errors import ConfirmationRequired, DecodeError, InvalidArgument
@@ -110,6 +111,7 @@ class AdminMixin:
             decode_error=problem,
             headers=decode_headers(row.headers),
             group=row.group_key,
+            priority=row.priority,
         )
 
     @transient_as_ours
@@ -202,22 +204,34 @@ class AdminMixin:
 
     @transient_as_ours
     def reschedule(
-        self, session: Session, target: str | MessageFilter, at: datetime | None = None
+        self,
+        session: Session,
+        target: str | MessageFilter,
+        at: datetime | None = None,
+        *,
+        priority: int | None = None,
     ) -> int:
         """Move pending messages (one key or a filter) to ``at``; now by default ("process now").
+        With ``priority``, give them that priority too (taken first by a queue with
+        ``priorities=True``).
 
         Messages in flight keep their lease: they are not rescheduled.
         """
         now = self.now()
         when = now if at is None else require_aware(at, "at")
         t = self.table
+        values: dict[str, Any] = {"scheduled_at": when, "lock_token": None}
+        if priority is not None:
+            if "priority" not in t.c:
+                raise InvalidArgument(f"{t.name} has no priority column")
+            values["priority"] = check_priority(priority)
         if isinstance(target, str):
             target = MessageFilter(keys=(target,))
         not_in_flight = flt.state_clause(t, "in_flight", now)
         stmt = (
             update(t)
             .where(self.condition(target, now), t.c.status == "pending", ~not_in_flight)
-            .values(scheduled_at=when, lock_token=None)
+            .values(values)
         )
         return st.affected(session, stmt)
 

@@ -291,6 +291,11 @@ def drop(
 @filter_options(("due", "scheduled", "pending"))
 @click.option("--all", "everything", is_flag=True, help="Every pending message of the queues.")
 @when_option
+@click.option(
+    "--priority",
+    type=click.IntRange(0, 32767),
+    help="Also give them this priority (0 lowest; taken first by a queue with priorities).",
+)
 @json_option
 @click.pass_context
 def reschedule(
@@ -306,9 +311,11 @@ def reschedule(
     everything: bool,
     at: datetime | None,
     delay: timedelta | None,
+    priority: int | None,
     as_json: bool,
 ) -> None:
-    """Move pending messages to now ("process now") or to --at/--in.
+    """Move pending messages to now ("process now") or to --at/--in, and with --priority
+    raise (or lower) their priority.
 
     Select them by KEYS or filters, or --all; messages in flight keep their lease.
     """
@@ -325,6 +332,10 @@ def reschedule(
     names = db.resolve_queues(queues)
     counts = count_matching(db, names, f)
     changed = run_chunked(
-        db, counts, f, lambda q, s, w: q.reschedule(s, w, at=when), "rescheduling"
+        db,
+        counts,
+        f,
+        lambda q, s, w: q.reschedule(s, w, at=when, priority=priority),
+        "rescheduling",
     )
     report(as_json, "reschedule", counts, changed)

@@ -494,6 +494,7 @@ def message_dict(m: MessageInfo) -> dict[str, Any]:
         "lock_token": m.lock_token,
         "headers": dict(m.headers),
         "group": m.group,
+        "priority": m.priority,
     }
 
 

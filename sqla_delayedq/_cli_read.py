@@ -279,6 +279,7 @@ def details_table(m: MessageInfo) -> Table:
         ("lock token", m.lock_token or "-"),
         ("payload type", m.payload_type),
         *([("group", m.group)] if m.group is not None else []),
+        *([("priority", str(m.priority))] if m.priority else []),
         *((f"header {name}", value) for name, value in sorted(m.headers.items())),
     ]
     for name, value in rows:

@@ -80,6 +80,8 @@ class NewRow(NamedTuple):
     headers: str | None = None
     #: The message's group, or None.
     group: str | None = None
+    #: The message's priority.
+    priority: int = 0
 
 
 class Listener(abc.ABC):
@@ -175,6 +177,7 @@ class Strategy(abc.ABC):
                 "attempts": 0,
                 "headers": r.headers,
                 "group_key": r.group,
+                "priority": r.priority,
                 "lock_token": token,
             }
             for r in rows
@@ -222,11 +225,12 @@ class Strategy(abc.ABC):
         now: datetime,
         limit: int,
         grouping: st.Grouping = None,
+        boosted: bool = False,
     ) -> Any:
         stmt = self.cached(
             t,
-            f"due:{grouping}",
-            lambda: st.select_due(t, P.queue, P.now, P.limit, self.poll_lock, grouping),
+            f"due:{grouping}:{boosted}",
+            lambda: st.select_due(t, P.queue, P.now, P.limit, self.poll_lock, grouping, boosted),
         )
         return session.execute(stmt, P.take(queue, now, now, limit, "")).all()
 
@@ -277,10 +281,12 @@ class Strategy(abc.ABC):
         limit: int,
         prefix: str,
         grouping: st.Grouping = None,
+        boosted: bool = False,
     ) -> Claims:
         """Pick up to ``limit`` due rows (skipping locked ones) and take them; the pick looks
-        at one row more, to say whether more is due. ``grouping``: see :func:`st.group_head`."""
-        picked = self._due(session, t, queue, now, limit + 1, grouping)
+        at one row more, to say whether more is due. ``grouping``: see :func:`st.group_head`;
+        ``boosted``: only rows with a priority, highest first."""
+        picked = self._due(session, t, queue, now, limit + 1, grouping, boosted)
         if not picked:
             return Claims([], False)
         more, picked = len(picked) > limit, picked[:limit]
@@ -321,6 +327,7 @@ class Strategy(abc.ABC):
         now: datetime,
         limit: int,
         grouping: st.Grouping = None,
+        boosted: bool = False,
     ) -> list[Any]:
         """Take up to ``limit`` due rows by deleting them in the caller's transaction.
 
@@ -328,18 +335,20 @@ class Strategy(abc.ABC):
         delete; the rows come back in due order, as they were.
         """
         if not self.delete_returning:
-            picked = self._due(session, t, queue, now, limit, grouping)
+            picked = self._due(session, t, queue, now, limit, grouping, boosted)
             if picked:
                 session.execute(delete(t).where(t.c.id.in_([r.id for r in picked])))
             return list(picked)
         skip_locked = self.poll_lock is not None
         stmt = self.cached(
             t,
-            f"consume:{grouping}",
-            lambda: st.consume_returning(t, P.queue, P.now, P.limit, skip_locked, grouping),
+            f"consume:{grouping}:{boosted}",
+            lambda: st.consume_returning(
+                t, P.queue, P.now, P.limit, skip_locked, grouping, boosted
+            ),
         )
         rows = list(session.execute(stmt, P.take(queue, now, now, limit, "")).all())
-        rows.sort(key=lambda r: (r.scheduled_at, r.id))
+        rows.sort(key=lambda r: (-r.priority, r.scheduled_at, r.id))
         return rows
 
     @classmethod
@@ -418,6 +427,8 @@ class PostgreSQLStrategy(Strategy):
                 doc += ',"h":' + quote(r.headers)
             if r.group is not None:
                 doc += ',"g":' + quote(r.group)
+            if r.priority:
+                doc += ',"r":' + str(r.priority)
             parts.append(doc + "}")
         params = {
             "u_queue": queue,
@@ -443,15 +454,18 @@ class PostgreSQLStrategy(Strategy):
         limit: int,
         prefix: str,
         grouping: st.Grouping = None,
+        boosted: bool = False,
     ) -> Claims:
         stmt = self.cached(
             t,
-            f"claim:{grouping}",
-            lambda: st.claim_returning(t, P.queue, P.now, P.until, P.limit, P.prefix, grouping),
+            f"claim:{grouping}:{boosted}",
+            lambda: st.claim_returning(
+                t, P.queue, P.now, P.until, P.limit, P.prefix, grouping, boosted
+            ),
         )
         rows = session.execute(stmt, P.take(queue, now, lease_until, limit, prefix)).all()
         claimed = [Claimed(r, r.prev_token, r.prev_scheduled_at) for r in rows]
-        claimed.sort(key=lambda c: (c.prev_scheduled_at, c.row.id))
+        claimed.sort(key=lambda c: (-c.row.priority, c.prev_scheduled_at, c.row.id))
         return Claims(claimed, bool(rows) and rows[0].picked > limit)
 
     def ack_by_tokens(self, t: Table, ids: list[int], tokens: list[str]) -> Any:

@@ -138,7 +138,17 @@ def _notify_on_insert(q: Target, session: Session, strategy: Strategy) -> str | 
 class _Item:
     """One message of a batch, serialized once; its row values are decoded only if needed."""
 
-    __slots__ = ("_codec", "_values", "at", "group", "headers", "index", "key", "stored")
+    __slots__ = (
+        "_codec",
+        "_values",
+        "at",
+        "group",
+        "headers",
+        "index",
+        "key",
+        "priority",
+        "stored",
+    )
 
     def __init__(
         self,
@@ -149,9 +159,10 @@ class _Item:
         at: datetime | None,
         headers: str | None,
         group: str | None,
+        priority: int,
     ) -> None:
         self._codec, self.index, self.key, self.stored, self.at = codec, index, key, stored, at
-        self.headers, self.group = headers, group
+        self.headers, self.group, self.priority = headers, group, priority
         self._values: dict[str, Any] | None = None
 
     @property
@@ -160,12 +171,12 @@ class _Item:
         if self._values is None:
             self._values = self._codec.columns(self.stored)
             self._values["headers"] = self.headers
+            self._values["priority"] = self.priority
         return self._values
 
     def new_row(self) -> NewRow:
-        if isinstance(self.stored, str):
-            return NewRow(self.key, self.stored, None, self.at, None, self.headers, self.group)
-        return NewRow(self.key, None, self.stored, self.at, None, self.headers, self.group)
+        text, raw = (self.stored, None) if isinstance(self.stored, str) else (None, self.stored)
+        return NewRow(self.key, text, raw, self.at, None, self.headers, self.group, self.priority)
 
 
 class _Plan(NamedTuple):
@@ -184,7 +195,11 @@ def chunk_size(strategy: Strategy) -> int:
 
 
 def _validate(
-    q: Target, messages: Iterable[OfferInput], headers: str | None, group: str | None
+    q: Target,
+    messages: Iterable[OfferInput],
+    headers: str | None,
+    group: str | None,
+    priority: int,
 ) -> list[_Item]:
     codec = q.codec
     items: list[_Item] = []
@@ -203,7 +218,7 @@ def _validate(
         if size == 4 and message[3] is not None:  # type: ignore[misc]
             own_group = q._check_group(message[3])  # type: ignore[misc]
         key = message_key(message[0])
-        append(_Item(codec, i, key, serialize(message[1]), at, headers, own_group))
+        append(_Item(codec, i, key, serialize(message[1]), at, headers, own_group, priority))
     return items
 
 
@@ -214,11 +229,13 @@ def offer_batch(
     mode: OfferMode,
     headers: str | None = None,
     group: str | None = None,
+    priority: int = 0,
 ) -> list[OfferResult]:
     """Offer many messages: one outcome per message, in input order (see the module);
-    ``headers`` (stored form) go with each, and ``group`` with each that is created."""
+    ``headers`` (stored form) and ``priority`` go with each, and ``group`` with each that is
+    created."""
     now = q.now()
-    items = _validate(q, messages, headers, group)
+    items = _validate(q, messages, headers, group, priority)
     if not items:
         return []
     by_key: dict[str, list[_Item]] = {}
@@ -272,6 +289,7 @@ def _insert_row(key: str, state: Any) -> NewRow:
         state.scheduled_at_initially,
         state.headers,
         state.group_key,
+        state.priority,
     )
 
 

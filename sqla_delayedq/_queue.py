@@ -22,7 +22,7 @@ from ._dialects import Claimed, Claims, Strategy, is_transient, strategy_for, tr
 from ._handlers import call_sync_handler
 from ._leases import LeasedQueue, Processed, check_count
 from ._offers import OfferInput
-from ._rules import after_failure
+from ._rules import after_failure, check_priority
 from ._time import Clock, require_aware, require_duration, system_clock
 from ._types import Delivery, Envelope, NackOutcome, OfferMode, OfferResult, Outcome
 from .errors import DecodeError, InvalidArgument
@@ -51,6 +51,7 @@ def _envelope(row: Any, payload: T, due_at: datetime, prev_token: str | None) ->
         lease_until=row.scheduled_at,
         headers=decode_headers(row.headers),
         group=row.group_key,
+        priority=row.priority,
     )
 
 
@@ -70,6 +71,10 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         schedule order (first schedule, then offer order); other groups are not held back.
     :param dead_blocks_group: with ``groups``, a dead message holds the rest of its group back
         until it is requeued or dropped (by default the next message goes on).
+    :param priorities: due messages offered with a ``priority`` above 0 are taken first, highest
+        first, then by schedule and id.
+    :param priority_aging: with ``priorities``, a message due for longer than this is taken
+        before any boosted one (oldest first), so no priority starves.
     """
 
     def __init__(
@@ -85,10 +90,18 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         notify: bool = True,
         groups: bool = False,
         dead_blocks_group: bool = False,
+        priorities: bool = False,
+        priority_aging: timedelta | None = None,
     ) -> None:
         self.name = check_name(name, "queue name", QUEUE_MAX)
         if dead_blocks_group and not groups:
             raise InvalidArgument("dead_blocks_group needs groups=True")
+        if priority_aging is not None and not priorities:
+            raise InvalidArgument("priority_aging needs priorities=True")
+        self.priorities = priorities
+        self.priority_aging = (
+            None if priority_aging is None else require_duration(priority_aging, "priority_aging")
+        )
         self.grouping: st.Grouping = (
             None if not groups else "dead_blocks" if dead_blocks_group else "dead_skips"
         )
@@ -120,6 +133,7 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         mode: OfferMode | str = OfferMode.REPLACE,
         headers: Mapping[str, str] | None = None,
         group: str | None = None,
+        priority: int = 0,
     ) -> OfferResult:
         """Enqueue ``payload`` under ``key`` (generated when None), due at ``at`` (now).
 
@@ -129,6 +143,8 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         :attr:`Envelope.headers`; they are not part of its identity (an offer that changes only
         them is ``IGNORED``), and an update stores the updating offer's. ``group`` (a queue with
         ``groups=True``) puts a new message in that group; an update keeps the message's group.
+        ``priority`` (a queue with ``priorities=True``): 0 (the default, lowest) to
+        32767; an update stores the updating offer's.
         """
         mode = OfferMode.parse(mode)
         key = _offers.message_key(key)
@@ -136,6 +152,7 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         when = None if at is None else require_aware(at, "at")
         values = self.codec.values(payload)
         values["headers"] = encode_headers(headers)
+        values["priority"] = self._check_priority(priority)
         group = self._check_group(group)
         strategy = strategy_for(session)
         outcome = _offers.offer_one(self, session, strategy, key, values, when, now, mode, group)
@@ -152,6 +169,7 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         mode: OfferMode | str = OfferMode.REPLACE,
         headers: Mapping[str, str] | None = None,
         group: str | None = None,
+        priority: int = 0,
     ) -> list[OfferResult]:
         """Offer many messages: one outcome per message, in input order.
 
@@ -159,13 +177,24 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         under the backend's parameter limit, with a constant number of statements per chunk. A
         key repeated in the batch behaves as repeated offers in input order; a key inserted by a
         concurrent transaction falls back to the single-message path for that key only.
-        ``headers`` go with every message of the batch, and ``group`` with every new one (as in
-        :meth:`offer`).
+        ``headers`` and ``priority`` go with every message of the batch, and ``group`` with every
+        new one (as in :meth:`offer`).
         """
         stored = encode_headers(headers)
         group = self._check_group(group)
+        priority = self._check_priority(priority)
         mode = OfferMode.parse(mode)
-        return _offers.offer_batch(self, session, messages, mode, stored, group)
+        return _offers.offer_batch(self, session, messages, mode, stored, group, priority)
+
+    def _check_priority(self, priority: int) -> int:
+        if priority == 0 and type(priority) is int:
+            return 0
+        if not self.priorities:
+            raise InvalidArgument(
+                f"queue {self.name!r} has no priorities: build it with DelayedQueue(..., "
+                "priorities=True) in the producer and in the worker"
+            )
+        return check_priority(priority)
 
     def _check_group(self, group: str | None) -> str | None:
         if group is None:
@@ -190,9 +219,36 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
     ) -> Claims:
         if self.grouping is not None:
             strategy.check_group_isolation(session)
-        return strategy.claim(
-            session, self.table, self.name, now, until, limit, prefix, self.grouping
-        )
+        if not self.priorities:
+            return strategy.claim(
+                session, self.table, self.name, now, until, limit, prefix, self.grouping
+            )
+        claimed: list[Claimed] = []
+        for due, boosted in self._probes(now):
+            got = strategy.claim(
+                session,
+                self.table,
+                self.name,
+                due,
+                until,
+                limit - len(claimed),
+                prefix,
+                self.grouping,
+                boosted,
+            )
+            claimed += got.claimed
+            if len(claimed) >= limit:
+                return Claims(claimed, True)  # filled by a probe: take again to find out
+        return Claims(claimed, False)
+
+    def _probes(self, now: datetime) -> list[tuple[datetime, bool]]:
+        """A take of a queue with priorities, probe by probe (each an index range scan): the
+        messages due for longer than the aging (oldest first), the boosted ones (highest
+        first), then every due one (by schedule). A probe that fills the take ends it."""
+        probes = [(now, True), (now, False)]
+        if self.priority_aging is not None:
+            probes.insert(0, (now - self.priority_aging, False))
+        return probes
 
     def _payload(self, claimed: Claimed) -> T:
         return self.codec.decode(claimed.row)
@@ -257,9 +313,19 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         taken: list[tuple[Envelope[T], Any]] = []
         while len(taken) < n:
             now = self.now()
-            rows = strategy.consume(
-                session, self.table, self.name, now, n - len(taken), self.grouping
-            )
+            rows: list[Any] = []
+            for due, boosted in self._probes(now) if self.priorities else [(now, False)]:
+                rows += strategy.consume(
+                    session,
+                    self.table,
+                    self.name,
+                    due,
+                    n - len(taken) - len(rows),
+                    self.grouping,
+                    boosted,
+                )
+                if len(taken) + len(rows) >= n:
+                    break
             if not rows:
                 break
             buried = 0

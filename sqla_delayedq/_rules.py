@@ -13,15 +13,18 @@ from datetime import datetime
 from typing import Any
 
 from ._types import OfferMode
+from .errors import InvalidArgument
 from .retry import RetryPolicy
 
 __all__ = [
     "FRESH",
     "INSERT_COLUMNS",
     "OFFER_RULES",
+    "PRIORITY_MAX",
     "Failure",
     "OfferRule",
     "after_failure",
+    "check_priority",
     "lease_exhausted",
     "lost_lease_error",
     "new_row",
@@ -42,6 +45,7 @@ INSERT_COLUMNS = (
     "attempts",
     "headers",
     "group_key",
+    "priority",
 )
 
 #: The state an update by an offer gives a row back: pending, no lease, a fresh run.
@@ -87,6 +91,7 @@ def new_row(
         "queue": queue,
         "key": key,
         "headers": None,
+        "priority": 0,
         "group_key": group,
         **payload,
         "status": "pending",
@@ -136,6 +141,19 @@ def offer_changes(
     else:
         scheduled_at = row.scheduled_at
     return {**payload, **FRESH, "scheduled_at": scheduled_at}
+
+
+#: The highest priority a message may have (0 is the default and the lowest).
+PRIORITY_MAX = 32767
+
+
+def check_priority(priority: Any) -> int:
+    """A priority: an int from 0 (the default, lowest) to :data:`PRIORITY_MAX`."""
+    if type(priority) is not int:
+        raise InvalidArgument(f"priority must be an int, got {type(priority).__name__}")
+    if not 0 <= priority <= PRIORITY_MAX:
+        raise InvalidArgument(f"priority must be between 0 and {PRIORITY_MAX}, got {priority}")
+    return priority
 
 
 @dataclass(frozen=True, slots=True)

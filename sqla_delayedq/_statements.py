@@ -116,6 +116,7 @@ ROW_COLUMNS = (
     "last_error",
     "headers",
     "group_key",
+    "priority",
 )
 
 
@@ -231,15 +232,38 @@ def group_head(t: Table, grouping: Grouping) -> ColumnElement[bool]:
     return or_(t.c.group_key.is_(None), ~probe)
 
 
+def take_filter(
+    t: Table, queue: Any, now: Any, grouping: Grouping, boosted: bool
+) -> ColumnElement[bool]:
+    """What a take may pick: due, the head of its group (a queue with groups), and with
+    ``boosted`` a priority above 0."""
+    cond = and_(due_filter(message_shape(t), queue, now), group_head(t, grouping))
+    return and_(cond, t.c.priority > 0) if boosted else cond
+
+
+def take_order(t: Table, boosted: bool) -> tuple[Any, ...]:
+    """The order of a take: schedule, then id; highest priority first for ``boosted`` (the
+    ``priority`` index, a range scan of boosted rows)."""
+    if boosted:
+        return (t.c.priority.desc(), t.c.scheduled_at, t.c.id)
+    return (t.c.scheduled_at, t.c.id)
+
+
 def select_due(
-    t: Table, queue: Any, now: Any, limit: Any, lock: Lock, grouping: Grouping = None
+    t: Table,
+    queue: Any,
+    now: Any,
+    limit: Any,
+    lock: Lock,
+    grouping: Grouping = None,
+    boosted: bool = False,
 ) -> Select[Any]:
     """Due messages of one queue in schedule order: a range scan of the ``due`` index (heads
-    of their groups only, when the queue has groups)."""
+    of their groups only, when the queue has groups; see :func:`take_filter`)."""
     stmt = (
         select(*columns(t, TAKE_COLUMNS))
-        .where(due_filter(message_shape(t), queue, now), group_head(t, grouping))
-        .order_by(t.c.scheduled_at, t.c.id)
+        .where(take_filter(t, queue, now, grouping, boosted))
+        .order_by(*take_order(t, boosted))
         .limit(limit)
     )
     return with_lock(stmt, lock)
@@ -324,6 +348,7 @@ def claim_returning(
     limit: Any,
     prefix: Any,
     grouping: Grouping = None,
+    boosted: bool = False,
 ) -> Update:
     """PostgreSQL: pick with ``SKIP LOCKED`` and take in one statement.
 
@@ -340,16 +365,18 @@ def claim_returning(
             t.c.id.label("id"),
             t.c.lock_token.label("prev_token"),
             t.c.scheduled_at.label("prev_scheduled_at"),
+            t.c.priority.label("prio"),
         )
-        .where(due_filter(shape, queue, now), group_head(t, grouping))
-        .order_by(t.c.scheduled_at, t.c.id)
+        .where(take_filter(t, queue, now, grouping, boosted))
+        .order_by(*take_order(t, boosted))
         .limit(limit + 1)
         .with_for_update(skip_locked=True)
         .cte("picked")
     )
+    order = (picked.c.prev_scheduled_at, picked.c.id)
     chosen = (
         select(picked.c.row_tid, picked.c.prev_token, picked.c.prev_scheduled_at)
-        .order_by(picked.c.prev_scheduled_at, picked.c.id)
+        .order_by(*((picked.c.prio.desc(), *order) if boosted else order))
         .limit(limit)
         .cte("chosen")
     )
@@ -368,14 +395,20 @@ def claim_returning(
 
 
 def consume_returning(
-    t: Table, queue: Any, now: Any, limit: Any, skip_locked: bool, grouping: Grouping = None
+    t: Table,
+    queue: Any,
+    now: Any,
+    limit: Any,
+    skip_locked: bool,
+    grouping: Grouping = None,
+    boosted: bool = False,
 ) -> Any:
     """Take due rows by deleting them inside the caller's transaction (seed 002).
 
     The rows come back as they were; a rollback restores them, due at once.
     """
-    due = and_(due_filter(message_shape(t), queue, now), group_head(t, grouping))
-    order = (t.c.scheduled_at, t.c.id)
+    due = take_filter(t, queue, now, grouping, boosted)
+    order = take_order(t, boosted)
     if skip_locked:
         picked = select(row_tid(t)).where(due).order_by(*order).limit(limit)
         cond = row_tid(t) == any_(ArrayOf(picked.with_for_update(skip_locked=True)))
@@ -403,6 +436,7 @@ def recordset_insert(t: Table) -> Any:
             column("a0", DateTime(timezone=True)),
             column("h", Text()),
             column("g", String()),
+            column("r", Integer()),
         )
         .render_derived(name="r", with_types=True)
     )
@@ -420,6 +454,7 @@ def recordset_insert(t: Table) -> Any:
         literal(0),
         r.c.h,
         r.c.g,
+        func.coalesce(r.c.r, literal(0)),
     ).order_by(r.c.k)
     names = list(INSERT_COLUMNS)
     return (

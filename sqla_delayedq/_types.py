@@ -119,6 +119,8 @@ class Envelope(Generic[T]):
     headers: Mapping[str, str] = field(default_factory=dict)
     #: The message's group (a queue with ``groups=True``), or None.
     group: str | None = None
+    #: The message's priority (a queue with ``priorities=True``; 0 otherwise).
+    priority: int = 0
 
     @property
     def redelivered(self) -> bool:
@@ -149,6 +151,8 @@ class MessageInfo:
     headers: Mapping[str, str] = field(default_factory=dict)
     #: The message's group, or None.
     group: str | None = None
+    #: The message's priority (0: the default, lowest).
+    priority: int = 0
 
 
 @dataclass(frozen=True)

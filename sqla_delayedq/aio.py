@@ -131,9 +131,12 @@ class AsyncQueue(Generic[T]):
         mode: OfferMode | str = OfferMode.REPLACE,
         headers: Mapping[str, str] | None = None,
         group: str | None = None,
+        priority: int = 0,
     ) -> OfferResult:
         return await session.run_sync(
-            lambda s: self.queue.offer(s, key, payload, at, mode=mode, headers=headers, group=group)
+            lambda s: self.queue.offer(
+                s, key, payload, at, mode=mode, headers=headers, group=group, priority=priority
+            )
         )
 
     async def offer_batch(
@@ -144,10 +147,13 @@ class AsyncQueue(Generic[T]):
         mode: OfferMode | str = OfferMode.REPLACE,
         headers: Mapping[str, str] | None = None,
         group: str | None = None,
+        priority: int = 0,
     ) -> list[OfferResult]:
         items = list(messages)
         return await session.run_sync(
-            lambda s: self.queue.offer_batch(s, items, mode=mode, headers=headers, group=group)
+            lambda s: self.queue.offer_batch(
+                s, items, mode=mode, headers=headers, group=group, priority=priority
+            )
         )
 
     async def try_poll(
@@ -257,9 +263,16 @@ class AsyncQueue(Generic[T]):
         return await session.run_sync(lambda s: self.queue.drop_all(s, confirm=confirm))
 
     async def reschedule(
-        self, session: AsyncSession, target: str | MessageFilter, at: datetime | None = None
+        self,
+        session: AsyncSession,
+        target: str | MessageFilter,
+        at: datetime | None = None,
+        *,
+        priority: int | None = None,
     ) -> int:
-        return await session.run_sync(lambda s: self.queue.reschedule(s, target, at))
+        return await session.run_sync(
+            lambda s: self.queue.reschedule(s, target, at, priority=priority)
+        )
 
     async def requeue_dead(
         self, session: AsyncSession, where: MessageFilter | None = None, at: datetime | None = None

@@ -26,7 +26,8 @@ keeps it, and ours is consulted after it.
 by an older version gets each later change from an operation shipped for it, which a revision of
 the host's calls once: :func:`upgrade_key_collation` (keys compared byte for byte on
 MariaDB/MySQL), :func:`add_headers_column` (message headers, the change of ``delayedq_0005``)
-and :func:`add_group_column` (message groups, ``delayedq_0006``).
+and :func:`add_group_column` and :func:`add_priority_column` (message groups and priorities,
+``delayedq_0006``).
 Each such operation emits fixed DDL and is harmless on a table that has the change
 already, so a revision stays correct whichever version created the table.
 
@@ -61,10 +62,12 @@ from .models import (
 __all__ = [
     "add_group_column",
     "add_headers_column",
+    "add_priority_column",
     "create_queue_table",
     "downgrade_key_collation",
     "drop_group_column",
     "drop_headers_column",
+    "drop_priority_column",
     "drop_queue_table",
     "queue_table",
     "render_item",
@@ -184,6 +187,35 @@ def drop_group_column(table_name: str = DEFAULT_TABLE, *, schema: str | None = N
     """Undo :func:`add_group_column`: the groups of stored messages are lost."""
     op.drop_index(f"ix_{table_name}_group", table_name=table_name, schema=schema)
     op.drop_column(table_name, "group_key", schema=schema)
+
+
+def add_priority_column(table_name: str = DEFAULT_TABLE, *, schema: str | None = None) -> None:
+    """Add the ``priority`` column (``INTEGER NOT NULL DEFAULT 0``) and its index
+    ``ix_<table>_priority`` (queue, priority DESC, scheduled_at, id; partial, ``WHERE priority >
+    0``, on PostgreSQL and SQLite) that message priorities need (``delayedq_0006`` for the default
+    table); existing rows get priority 0. Harmless on a table that has the column already;
+    offline (``--sql``) it is always emitted."""
+    if _has_column(table_name, "priority", schema):
+        return
+    op.add_column(
+        table_name,
+        sa.Column("priority", sa.Integer(), server_default="0", nullable=False),
+        schema=schema,
+    )
+    op.create_index(
+        f"ix_{table_name}_priority",
+        table_name,
+        ["queue", sa.text("priority DESC"), "scheduled_at", "id"],
+        schema=schema,
+        postgresql_where=sa.text("priority > 0"),
+        sqlite_where=sa.text("priority > 0"),
+    )
+
+
+def drop_priority_column(table_name: str = DEFAULT_TABLE, *, schema: str | None = None) -> None:
+    """Undo :func:`add_priority_column`: the priorities of stored messages are lost."""
+    op.drop_index(f"ix_{table_name}_priority", table_name=table_name, schema=schema)
+    op.drop_column(table_name, "priority", schema=schema)
 
 
 def _has_column(table_name: str, column: str, schema: str | None) -> bool:

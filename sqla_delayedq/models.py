@@ -37,6 +37,7 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    column,
     text,
 )
 from sqlalchemy.dialects import mysql, postgresql
@@ -154,6 +155,9 @@ class QueueMessageMixin:
     #: The message's group (``DelayedQueue(groups=True)``): one of a group in flight at a time,
     #: in schedule order.
     group_key: Mapped[str | None] = mapped_column(ExactString(KEY_MAX), nullable=True)
+    #: Higher is taken first among due messages (``DelayedQueue(priorities=True)``); 0 is the
+    #: default and the lowest.
+    priority: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
 
     @declared_attr.directive
     def __table_args__(cls) -> tuple[Any, ...]:
@@ -173,6 +177,17 @@ class QueueMessageMixin:
                 "id",
                 postgresql_where=text("group_key IS NOT NULL"),
                 sqlite_where=text("group_key IS NOT NULL"),
+            ),
+            # Due boosted messages, highest priority first: the first probe of a take of a
+            # queue with priorities; only boosted rows (partial) on PostgreSQL and SQLite.
+            Index(
+                conv(f"ix_{table}_priority"),
+                "queue",
+                column("priority").desc(),
+                "scheduled_at",
+                "id",
+                postgresql_where=text("priority > 0"),
+                sqlite_where=text("priority > 0"),
             ),
             CheckConstraint(
                 "status IN ('pending', 'done', 'dead')", name=conv(f"ck_{table}_status")

@@ -41,6 +41,7 @@ from sqla_delayedq.migration import (
     downgrade_key_collation,
     drop_group_column,
     drop_headers_column,
+    drop_priority_column,
     drop_queue_table,
     queue_table,
 )
@@ -498,11 +499,14 @@ def test_headers_and_groups_revisions_keep_the_rows_of_a_0004_table(
     command.upgrade(config, "delayedq_0005")
     command.upgrade(config, "delayedq_0006")
 
-    assert [row[:-2] for row in rows(engine, "delayed_queue")] == before
-    assert {row[-2:] for row in rows(engine, "delayed_queue")} == {(None, None)}
+    assert [row[:-3] for row in rows(engine, "delayed_queue")] == before
+    assert {row[-3:] for row in rows(engine, "delayed_queue")} == {(None, None, 0)}
     assert schema_diff(engine, metadata) == []
-    queue: DelayedQueue[dict[str, int]] = DelayedQueue("q", groups=True)
+    queue: DelayedQueue[dict[str, int]] = DelayedQueue("q", groups=True, priorities=True)
     with Session(engine) as session, session.begin():
+        queue.offer(session, "urgent", {"i": -2}, priority=5)
+        urgent = queue.try_poll(session)
+        assert urgent is not None and (urgent.key, urgent.priority) == ("urgent", 5)
         old = queue.try_poll(session)
         assert old is not None and (old.key, dict(old.headers), old.group) == ("key/0", {}, None)
         queue.offer(session, "new", {"i": -1}, headers={"traceparent": "00-x"}, group="g")
@@ -516,8 +520,8 @@ def test_headers_and_groups_revisions_keep_the_rows_of_a_0004_table(
 
     command.downgrade(config, "delayedq_0004")
 
-    assert {"headers", "group_key"}.isdisjoint(column_names(engine, "delayed_queue"))
-    assert len(rows(engine, "delayed_queue")) == 101
+    assert {"headers", "group_key", "priority"}.isdisjoint(column_names(engine, "delayed_queue"))
+    assert len(rows(engine, "delayed_queue")) == 102
 
 
 #: A host revision that adds the headers and group columns to a table made by an earlier version.
@@ -525,8 +529,10 @@ HOST_HEADERS_REVISION = """
 from sqla_delayedq.migration import (
     add_group_column,
     add_headers_column,
+    add_priority_column,
     drop_group_column,
     drop_headers_column,
+    drop_priority_column,
 )
 
 revision = "0003"
@@ -538,9 +544,11 @@ depends_on = None
 def upgrade() -> None:
     add_headers_column("outbox")
     add_group_column("outbox")
+    add_priority_column("outbox")
 
 
 def downgrade() -> None:
+    drop_priority_column("outbox")
     drop_group_column("outbox")
     drop_headers_column("outbox")
 """
@@ -559,7 +567,8 @@ def test_host_revision_adds_headers_and_groups_to_an_older_table(
     config = alembic_config(root / "alembic.ini", url)
     command.upgrade(config, "0002")
     with engine.begin() as conn, Operations.context(MigrationContext.configure(conn)):
-        drop_group_column("outbox")  # the outbox as sqla_delayedq 0.1 created it
+        drop_priority_column("outbox")  # the outbox as sqla_delayedq 0.1 created it
+        drop_group_column("outbox")
         drop_headers_column("outbox")
     with engine.begin() as conn:
         conn.execute(
@@ -570,7 +579,7 @@ def test_host_revision_adds_headers_and_groups_to_an_older_table(
 
     command.upgrade(config, "head")
 
-    assert [row[:-2] for row in rows(engine, "outbox")] == before
+    assert [row[:-3] for row in rows(engine, "outbox")] == before
     assert schema_diff(engine, Base.metadata) == []
     assert_queue_table(backend, engine, "outbox")
     queue: DelayedQueue[dict[str, int]] = DelayedQueue("q", model=OutboxMessage, groups=True)

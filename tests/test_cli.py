@@ -318,6 +318,7 @@ def test_ls_lists_messages_by_id_with_paging(backend: Backend, run: Run) -> None
         "lock_token",
         "headers",
         "group",
+        "priority",
     ]
     assert (m["state"], m["attempts"], m["scheduled_at"]) == ("dead", 1, None)
     assert m["headers"] == {}
@@ -404,6 +405,22 @@ def test_show_a_message(backend: Backend, run: Run) -> None:
     assert "ValueError: bad address" in result.stdout
     assert '"companyId": 7' in result.stdout
     assert_one_line_error(run("show", "-q", "emails", "nope"), 1, "no message with key 'nope'")
+
+
+@on_pg_and_sqlite
+def test_reschedule_with_a_priority(backend: Backend, run: Run) -> None:
+    q: DelayedQueue[Any] = DelayedQueue("emails", priorities=True)
+    with backend.Session() as s, s.begin():
+        q.offer_batch(s, [("p/1", {}), ("p/2", {})])
+    result = run("reschedule", "-q", "emails", "p/2", "--priority", "7", "--json")
+    assert result.exit_code == 0, result.output
+    (m,) = run_json(run, "show", "p/2")["messages"]
+    assert m["priority"] == 7
+    assert "priority" in run("show", "-q", "emails", "p/2").stdout
+    with backend.Session() as s, s.begin():
+        assert [e.key for e in q.try_poll_many(s, 2)] == ["p/2", "p/1"]
+    bad = run("reschedule", "-q", "emails", "p/1", "--priority", "-1")
+    assert bad.exit_code == 2 and "Traceback" not in bad.output
 
 
 @on_pg_and_sqlite

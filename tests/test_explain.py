@@ -152,3 +152,33 @@ def test_a_grouped_take_probes_the_group_index_with_10000_rows(pg, clock):
                 assert "ix_delayed_queue_due" in plan, plan
                 assert "ix_delayed_queue_group" in plan, plan
                 assert "Seq Scan" not in plan, plan
+
+
+# -- a queue with priorities: the boosted probe reads the priority index, in its order -----------
+
+
+def test_the_boosted_probe_is_a_range_scan_of_the_priority_index(pg, clock):
+    now = clock()
+    q = DelayedQueue[dict]("jobs", priorities=True)
+    with pg.Session() as s, s.begin():
+        q.offer_batch(s, [(f"low{i}", {}, now - timedelta(seconds=i)) for i in range(5000)])
+        for level in (1, 5, 9):
+            q.offer_batch(
+                s,
+                [(f"p{level}/{i}", {}, now - timedelta(seconds=i)) for i in range(100)],
+                priority=level,
+            )
+        q.offer_batch(s, [(f"later{i}", {}, now + timedelta(hours=1)) for i in range(2000)])
+    with pg.engine.connect() as conn:
+        conn.exec_driver_sql("ANALYZE delayed_queue")
+        until = now + timedelta(minutes=5)
+        for stmt in (
+            st.claim_returning(T, "jobs", now, until, 10, "tok.", None, True),
+            st.consume_returning(T, "jobs", now, 10, True, None, True),
+        ):
+            plan = explain(conn, stmt)
+            lines = plan.splitlines()
+            (scan,) = [i for i, line in enumerate(lines) if "ix_delayed_queue_priority" in line]
+            # Locked straight from the index scan, in its order: no sort of the boosted rows.
+            assert "Index Scan using" in lines[scan] and "LockRows" in lines[scan - 1], plan
+            assert "Seq Scan" not in plan, plan

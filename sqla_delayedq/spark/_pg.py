@@ -79,6 +79,7 @@ def _mode_clause(mode: OfferMode, marked: bool) -> sql.Composable:
             sql.SQL("payload = EXCLUDED.payload"),
             sql.SQL("payload_bytes = NULL"),
             sql.SQL("headers = NULL"),  # the offer's headers: a bulk offer sends none
+            sql.SQL("priority = 0"),  # and its priority: the default
             *(
                 sql.SQL("{} = {}").format(sql.Identifier(c), sql.Literal(v))
                 for c, v in FRESH.items()
