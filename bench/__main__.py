@@ -8,6 +8,7 @@ workloads through sqla_delayedq only. Results go to ``bench/results.json`` and a
     python -m bench --sync-commit off     # also repeat PostgreSQL with synchronous_commit=off
     python -m bench --only E1,C1 --scale 0.2 --backends postgresql
     python -m bench --only CTRL          # the queue controls only (bench/bench_controls.py)
+    python -m bench --only GRP           # ordered delivery per group key (bench/bench_groups.py)
 """
 
 from __future__ import annotations
@@ -310,14 +311,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--scale", type=float, default=1.0, help="fraction of the standard sizes")
-    parser.add_argument("--only", default="E0,E1,E2,C1,C2,L1,L1X,CTRL")
+    parser.add_argument("--only", default="E0,E1,E2,C1,C2,L1,L1X,CTRL,GRP")
     parser.add_argument("--backends", default="postgresql,mariadb,sqlite")
     parser.add_argument("--sync-commit", choices=["on", "off", "both"], default="both")
     parser.add_argument("--output", default=str(Path(__file__).with_name("results.json")))
     args = parser.parse_args(argv)
     workloads = [w.strip().upper() for w in args.only.split(",") if w.strip()]
     controls = "CTRL" in workloads  # queue controls: bench/bench_controls.py
-    workloads = [w for w in workloads if w != "CTRL"]
+    groups = "GRP" in workloads  # ordered delivery per group key: bench/bench_groups.py
+    workloads = [w for w in workloads if w not in ("CTRL", "GRP")]
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     report: dict[str, Any] = {
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -353,11 +355,20 @@ def main(argv: list[str] | None = None) -> int:
             report["controls"] = bench_controls.run(
                 servers, list(bench_controls.SETTINGS), args.runs, n, True
             )
+        if groups:
+            from . import bench_groups
+
+            servers = [b for b in ("postgresql", "mariadb") if b in backends]
+            per_group = max(5, int(20 * args.scale))
+            print("groups", flush=True)
+            report["groups"] = bench_groups.run(servers, args.runs, 200, per_group)
     Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
     print()
     print(table(report))
     if controls:
         print(bench_controls.report(report["controls"], n, args.runs))
+    if groups:
+        print(bench_groups.report(report["groups"], 200, per_group, args.runs))
     print(f"\nwrote {args.output}")
     return 0
 

@@ -17,6 +17,8 @@ drift on a shared machine hits all of them:
 - **rate 500/s**: ``rate=(500, 1 s)``: the achieved rate, and the most takes seen in any
   1-second window; once with takes of one message (the worker's default ``batch_size``), once
   with takes of 20 (limited takes serialise on the controls row, so fewer takes go faster);
+- **priorities**: a queue with ``priorities=True`` and no boosted message (each take costs one
+  more probe, which finds nothing), and with every tenth message boosted (priority 5);
 - **steering** (with every setting): a busy worker (4 threads, 5 ms handlers, poll interval
   0.5 s) paused and then resumed by another process, as an operator would: the time from the
   pause's commit to the last handler start, and from the resume's commit to the first. On
@@ -48,7 +50,15 @@ from sqlalchemy.orm import sessionmaker
 from ._env import fresh_database, truncate
 
 QUEUE = "controls"
-SETTINGS = ("plain", "limit 1000", "in flight 3", "rate 500/s", "rate 500/s, takes of 20")
+SETTINGS = (
+    "plain",
+    "limit 1000",
+    "in flight 3",
+    "rate 500/s",
+    "rate 500/s, takes of 20",
+    "priorities",
+    "priorities 10 % boosted",
+)
 
 
 def _limits(setting: str) -> dict[str, Any] | None:
@@ -58,16 +68,23 @@ def _limits(setting: str) -> dict[str, Any] | None:
         "in flight 3": {"max_in_flight": 3},
         "rate 500/s": {"rate": (500, timedelta(seconds=1))},
         "rate 500/s, takes of 20": {"rate": (500, timedelta(seconds=1))},
+        "priorities": None,
+        "priorities 10 % boosted": None,
     }[setting]
 
 
-def _fill(sessions: Any, queue: Any, n: int) -> None:
+def _fill(sessions: Any, queue: Any, n: int, boosted: bool = False) -> None:
+    """``n`` due messages; with ``boosted``, every tenth with priority 5."""
     now = datetime.now(timezone.utc)
     for start in range(0, n, 5000):
+        indexes = range(start, min(n, start + 5000))
         with sessions.begin() as s:
             queue.offer_batch(
-                s, [(f"m{i}", {"i": i}, now) for i in range(start, min(n, start + 5000))]
+                s, [(f"m{i}", {"i": i}, now) for i in indexes if not (boosted and i % 10 == 0)]
             )
+            if boosted:
+                boost = [(f"m{i}", {"i": i}, now) for i in indexes if i % 10 == 0]
+                queue.offer_batch(s, boost, priority=5)
 
 
 def drain(url: URL, setting: str, n: int) -> dict[str, float]:
@@ -78,14 +95,17 @@ def drain(url: URL, setting: str, n: int) -> dict[str, float]:
     truncate(url)
     engine = create_engine(url, pool_size=8)
     sessions = sessionmaker(engine)
-    queue: DelayedQueue[Any] = DelayedQueue(QUEUE)
+    prioritised = setting.startswith("priorities")
+    queue: DelayedQueue[Any] = (
+        DelayedQueue(QUEUE, priorities=True) if prioritised else DelayedQueue(QUEUE)
+    )
     limits = _limits(setting)
     with sessions.begin() as s:
         if limits is not None:  # every limit given: none is kept from the setting before
             queue.set_limits(s, **{"max_in_flight": None, "rate": None, **limits})
         elif hasattr(queue, "set_limits"):  # a tree without controls runs "plain" too
             queue.set_limits(s, max_in_flight=None, rate=None)
-    _fill(sessions, queue, n)
+    _fill(sessions, queue, n, boosted=setting.endswith("boosted"))
     lock = threading.Lock()
     state = {"running": 0, "peak": 0}
     takes: list[float] = []
@@ -256,13 +276,15 @@ def report(results: dict[str, Any], n: int, runs: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backends", default="postgresql")
-    parser.add_argument("--only", default=",".join(SETTINGS), help="settings to run")
+    parser.add_argument(
+        "--only", default=";".join(SETTINGS), help="settings to run, separated by ';'"
+    )
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--n", type=int, default=4000, help="messages per drain")
     parser.add_argument("--no-resume", action="store_true", help="skip the pause/resume latency")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    settings = [s.strip() for s in args.only.split(",") if s.strip()]
+    settings = [s.strip() for s in args.only.split(";") if s.strip()]
     unknown = [s for s in settings if s not in SETTINGS]
     if unknown:
         parser.error(f"unknown settings {unknown}; choose from {', '.join(SETTINGS)}")

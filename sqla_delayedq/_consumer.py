@@ -255,6 +255,15 @@ class Taken(NamedTuple):
     due_in: float | None
 
 
+def _after_groups(taken: Taken, handled: list[Envelope[Any]]) -> Taken:
+    """A take, once its messages are settled: settling a message of a group may have made the
+    next message of that group due (it waited behind it), so the consumer takes again at once
+    instead of idling until an offer or the poll interval."""
+    if not taken.more and any(e.group is not None for e in handled):
+        return Taken(taken.handled, True, None)
+    return taken
+
+
 @dataclass(frozen=True)
 class Periodic:
     """A side task of the worker: ``fn(sessions)`` every ``interval`` seconds while it runs, and
@@ -666,7 +675,7 @@ class BaseWorker(Generic[S]):
                 break
             self._observe(reg, env)
             self._handle(reg, [env], env)
-        return taken
+        return _after_groups(taken, envs)
 
     def _handle(self, reg: Registration, envs: list[Envelope[Any]], arg: Any) -> None:
         """Run the handler on ``arg`` and settle ``envs`` by its outcome.
@@ -691,7 +700,7 @@ class BaseWorker(Generic[S]):
         self._in_flight.add(reg, *envs)
         self._observe(reg, *envs)
         self._handle(reg, envs, envs)
-        return taken
+        return _after_groups(taken, envs)
 
     def _succeeded(self, reg: Registration, envs: list[Envelope[Any]], started: float) -> None:
         current = self._in_flight.current(reg, envs)

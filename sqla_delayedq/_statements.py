@@ -212,24 +212,27 @@ def group_head(t: Table, grouping: Grouping) -> ColumnElement[bool]:
     blocking = earlier.c.status == "pending"
     if grouping == "dead_blocks":
         blocking = or_(blocking, earlier.c.status == "dead")
-    before = or_(
-        earlier.c.scheduled_at_initially < t.c.scheduled_at_initially,
-        and_(
-            earlier.c.scheduled_at_initially == t.c.scheduled_at_initially,
-            earlier.c.id < t.c.id,
-        ),
-    )
-    probe = (
-        select(literal(1))
+    # The group's first message that holds it (the row itself is pending, so there is one): in
+    # the group index's own order, so the plan reads that index whatever the statistics say (any
+    # other index would need a sort), and stops at the first row that holds the group.
+    first = (
+        select(earlier.c.id)
         .where(
             earlier.c.queue == t.c.queue,
             earlier.c.group_key == t.c.group_key,
+            earlier.c.group_key.is_not(None),  # the partial group index applies
             blocking,
-            before,
         )
-        .exists()
+        .order_by(
+            earlier.c.queue,
+            earlier.c.group_key,
+            earlier.c.scheduled_at_initially,
+            earlier.c.id,
+        )
+        .limit(1)
+        .scalar_subquery()
     )
-    return or_(t.c.group_key.is_(None), ~probe)
+    return or_(t.c.group_key.is_(None), first == t.c.id)
 
 
 def take_filter(

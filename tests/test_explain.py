@@ -182,3 +182,24 @@ def test_the_boosted_probe_is_a_range_scan_of_the_priority_index(pg, clock):
             # Locked straight from the index scan, in its order: no sort of the boosted rows.
             assert "Index Scan using" in lines[scan] and "LockRows" in lines[scan - 1], plan
             assert "Seq Scan" not in plan, plan
+
+
+def test_the_group_probe_reads_the_group_index_on_a_table_analysed_when_empty(pg, clock):
+    """Statistics that say the table is empty (a new deployment) must not send the head probe
+    through the due index, which would read the whole queue for every candidate."""
+    with pg.engine.begin() as conn:
+        conn.exec_driver_sql("ANALYZE delayed_queue")
+    now = clock()
+    q = DelayedQueue[dict]("orders", groups=True)
+    with pg.Session() as s, s.begin():
+        q.offer_batch(s, [(f"o{g}/{i}", {}, now, f"o{g}") for g in range(200) for i in range(20)])
+    with pg.engine.connect() as conn:
+        until = now + timedelta(minutes=5)
+        for stmt in (
+            st.claim_returning(T, "orders", now, until, 1, "tok.", "dead_skips"),
+            st.consume_returning(T, "orders", now, 1, True, "dead_blocks"),
+        ):
+            plan = explain(conn, stmt)
+            probe = plan.split("SubPlan 1\n")[1]
+            assert "ix_delayed_queue_group" in probe, plan
+            assert "ix_delayed_queue_due" not in probe, plan
