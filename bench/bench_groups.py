@@ -54,10 +54,15 @@ def handle_transactional(envelope: Any, session: Any) -> None:
     time.sleep(0.002)
 
 
+#: The deployment: worker processes and threads per process.
+PROCESSES, THREADS = 4, 4
+
+
 def _worker(url: URL, mode: str, grouped: bool, log: Path) -> subprocess.Popen[bytes]:
     target = "bench.bench_groups:handle" + ("" if mode == "lease" else "_transactional")
     cmd = [sys.executable, "-m", "sqla_delayedq.cli", "worker", target, "-q", QUEUE]
-    cmd += ["-p", "4", "-c", "4", "--mode", mode, "--poll-interval", "0.2", "--no-monitor"]
+    cmd += ["-p", str(PROCESSES), "-c", str(THREADS), "--mode", mode]
+    cmd += ["--poll-interval", "0.2", "--no-monitor"]
     if grouped:
         cmd.append("--groups")
     env = {**os.environ, "DELAYEDQ_DATABASE_URL": url.render_as_string(hide_password=False)}
@@ -79,7 +84,7 @@ def drain(
     engine = create_engine(url)
     try:
         deadline = time.monotonic() + 60
-        while log.read_text().count(f"consuming {QUEUE} with") < 4:
+        while log.read_text().count(f"consuming {QUEUE} with") < PROCESSES:
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise RuntimeError(f"the workers did not start:\n{log.read_text()}")
             time.sleep(0.05)

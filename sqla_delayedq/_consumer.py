@@ -185,6 +185,11 @@ class Source(Protocol):
     retry_policy: RetryPolicy
 
     @property
+    def grouping(self) -> str | None:
+        """Ordering by group key (None: none), see ``_statements.group_head``."""
+        ...
+
+    @property
     def wake_key(self) -> str: ...
     def now(self) -> datetime: ...
     def try_poll_many(
@@ -243,6 +248,11 @@ class Runtime(Protocol):
     def notify(self, _key: str | None = None, count: int | None = None) -> None:
         """Wake ``count`` waiting consumers, or every one when None (from any thread)."""
         ...
+
+
+#: How soon an idle consumer of a queue with groups looks again while due messages wait behind
+#: the heads of their groups (seconds).
+GROUPED_RETRY = 0.05
 
 
 class Taken(NamedTuple):
@@ -641,7 +651,14 @@ class BaseWorker(Generic[S]):
             return min(self.poll_interval, controls.LIMITED_RETRY)
         now = reg.source.now()
         when = reg.source.next_due(session)
-        return None if when is None else max(0.0, (when - now).total_seconds())
+        if when is None:
+            return None
+        due_in = max(0.0, (when - now).total_seconds())
+        if due_in == 0 and reg.source.grouping is not None:
+            # Due rows a take left wait behind their group's head: a consumer that settles a
+            # head takes the next at once; the others look again soon, not in a busy loop.
+            return min(self.poll_interval, GROUPED_RETRY)
+        return due_in
 
     def _observe(self, reg: Registration, *envs: Envelope[Any]) -> None:
         name, hooks, now = reg.source.name, self.hooks, reg.source.now()

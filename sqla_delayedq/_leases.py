@@ -71,6 +71,8 @@ class LeasedQueue(abc.ABC, Generic[T]):
     lease: timedelta
     retry_policy: RetryPolicy
     clock: Clock
+    #: How messages sharing a group key are ordered (None: no groups; an entity queue has none).
+    grouping: st.Grouping = None
 
     def _init_leases(self) -> None:
         self._settles: dict[str, Any] = {}

@@ -195,3 +195,26 @@ def test_a_grouped_take_refuses_repeatable_read_on_mariadb(mariadb: Backend) -> 
         engine.dispose()
     with mariadb.Session() as s, s.begin():
         assert keys(q.try_poll_many(s, 10)) == ["a0"]  # READ COMMITTED: taken
+
+
+def test_a_worker_takes_the_next_of_a_group_at_once_after_settling_its_head(
+    backend: Backend, make_worker: Any
+) -> None:
+    """One consumer, a long poll interval: after acknowledging a group's head, the worker takes
+    the next message of the group at once instead of sleeping until the poll interval (the
+    take that found the head saw nothing more due: the rest was behind it)."""
+    import time
+
+    from tests.fix_workers import running
+
+    q: DelayedQueue[Any] = DelayedQueue("orders", groups=True)
+    with backend.Session() as s, s.begin():
+        q.offer_batch(s, [(f"a{i}", {}, None, "A") for i in range(5)])
+    started: list[float] = []
+    worker = make_worker(backend, concurrency=1, poll_interval=30, listen=False)
+    worker.register(q, lambda e: started.append(time.monotonic()))
+    with running(worker):
+        deadline = time.monotonic() + 20
+        while len(started) < 5 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert len(started) == 5  # without the rule each would wait for the 30 s poll interval
