@@ -80,6 +80,8 @@ WORKER_SETTINGS = {
     "no_listen": "Worker(listen=False)",
     "groups": "DelayedQueue(groups=True)",
     "dead_blocks_group": "DelayedQueue(groups=True, dead_blocks_group=True)",
+    "priorities": "DelayedQueue(priorities=True)",
+    "priority_aging": "DelayedQueue(priorities=True, priority_aging=...)",
     "otel": "Worker(hooks=OtelHooks()) and register(queue, traced_handler(handler))",
 }
 
@@ -291,6 +293,15 @@ def run_user_worker(
     help="With --groups: a dead message holds the rest of its group back.",
 )
 @click.option(
+    "--priorities",
+    is_flag=True,
+    help="Take due messages with a higher priority first.",
+)
+@duration_option(
+    "--priority-aging",
+    help="With --priorities: a message due for longer than this goes before boosted ones.",
+)
+@click.option(
     "--metrics-port",
     type=click.IntRange(0, 65535),
     help="Serve Prometheus metrics (added to a worker's own hooks).",
@@ -342,6 +353,8 @@ def worker(
     no_listen: bool,
     groups: bool,
     dead_blocks_group: bool,
+    priorities: bool,
+    priority_aging: timedelta | None,
     metrics_port: int | None,
     otel: bool,
     heartbeat: timedelta,
@@ -416,6 +429,8 @@ def run_quick_form(
     no_listen: bool,
     groups: bool,
     dead_blocks_group: bool,
+    priorities: bool,
+    priority_aging: timedelta | None,
     metrics_port: int | None,
     otel: bool,
     heartbeat: timedelta,
@@ -429,6 +444,10 @@ def run_quick_form(
         raise BadInput("--lease, --poll-interval and --heartbeat must be greater than 0")
     if dead_blocks_group and not groups:
         raise BadInput("--dead-blocks-group needs --groups")
+    if priority_aging is not None and not priorities:
+        raise BadInput("--priority-aging needs --priorities")
+    if priority_aging is not None and priority_aging <= timedelta(0):
+        raise BadInput("--priority-aging must be greater than 0")
     configure_logging(ctx, log_level)
     db = open_db(ctx, url, table, pool_size=concurrency + 4, max_overflow=concurrency)
     names = list(dict.fromkeys(queues))
@@ -455,6 +474,8 @@ def run_quick_form(
             retry=ExponentialBackoff(max_attempts=max_attempts),
             groups=groups,
             dead_blocks_group=dead_blocks_group,
+            priorities=priorities,
+            priority_aging=priority_aging,
         )
         w.register(queue, fn, mode=cast("Mode", mode), lease=lease, handler_timeout=handler_timeout)
     monitor(w, heartbeat.total_seconds(), no_monitor)

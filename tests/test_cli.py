@@ -935,6 +935,10 @@ def test_worker_runs_an_async_worker_a_function_of_ones_own_returns(
         (["--poll-interval", "1"], "--poll-interval"),
         (["--drain-timeout", "1"], "--drain-timeout"),
         (["--no-listen"], "--no-listen"),
+        (["--groups"], "--groups"),
+        (["--dead-blocks-group"], "--dead-blocks-group"),
+        (["--priorities"], "--priorities"),
+        (["--priority-aging", "5m"], "--priority-aging"),
         (["--otel"], "--otel"),
     ],
 )
@@ -948,6 +952,22 @@ def test_worker_refuses_flags_that_a_worker_of_ones_own_decides(
     result = invoke(None, "worker", target, *args)
     assert_one_line_error(result, 2, f"{flags} does not apply to {target}", "set it on your Worker")
     assert not (tmp_path / "app.sqlite").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--dead-blocks-group"], "--dead-blocks-group needs --groups"),
+        (["--priority-aging", "5m"], "--priority-aging needs --priorities"),
+        (["--priorities", "--priority-aging", "0"], "--priority-aging must be greater than 0"),
+    ],
+)
+def test_worker_refuses_group_and_priority_flags_that_cannot_work(
+    args: list[str], fragment: str, tmp_path: Path
+) -> None:
+    url = f"sqlite:///{tmp_path / 'q.sqlite'}"
+    result = invoke(url, "worker", "tests.cli_handlers:with_pid", "-q", "jobs", *args)
+    assert_one_line_error(result, 2, fragment)
 
 
 def test_worker_names_every_refused_flag_at_once(
