@@ -136,10 +136,23 @@ def sign_in(browser: WebDriver, served: Served, path: str = "/") -> None:
 
 
 def wait(browser: WebDriver, check: Callable[[WebDriver], Any], timeout: float = 15) -> Any:
-    """Until ``check`` holds; elements of a page being replaced may go stale meanwhile."""
+    """Until ``check`` holds; elements of a page being replaced may go stale meanwhile.
+
+    Chromium reports some of those as "Node with given id does not belong to the document" (a
+    plain ``WebDriverException``) rather than as a stale element: the same race, retried too.
+    """
+
+    def tolerant(b: WebDriver) -> Any:
+        try:
+            return check(b)
+        except WebDriverException as exc:
+            if "does not belong to the document" in str(exc):
+                return False
+            raise
+
     return WebDriverWait(
         browser, timeout, poll_frequency=0.1, ignored_exceptions=[StaleElementReferenceException]
-    ).until(check)
+    ).until(tolerant)
 
 
 def text_of(browser: WebDriver, css: str) -> str:
