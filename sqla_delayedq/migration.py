@@ -172,21 +172,14 @@ def add_group_column(table_name: str = DEFAULT_TABLE, *, schema: str | None = No
     type_: Any = sa.String(200)
     if family(dialect) is Family.MYSQL:
         type_ = mysql.VARCHAR(200, charset="utf8mb4", collation=exact_collation(dialect))
-    op.add_column(table_name, sa.Column("group_key", type_, nullable=True), schema=schema)
-    op.create_index(
-        f"ix_{table_name}_group",
-        table_name,
-        ["queue", "group_key", "scheduled_at_initially", "id"],
-        schema=schema,
-        postgresql_where=sa.text("group_key IS NOT NULL"),
-        sqlite_where=sa.text("group_key IS NOT NULL"),
-    )
+    column = sa.Column("group_key", type_, nullable=True)
+    index = ["queue", "group_key", "scheduled_at_initially", "id"]
+    _add_indexed_column(table_name, column, "group", index, "group_key IS NOT NULL", schema)
 
 
 def drop_group_column(table_name: str = DEFAULT_TABLE, *, schema: str | None = None) -> None:
     """Undo :func:`add_group_column`: the groups of stored messages are lost."""
-    op.drop_index(f"ix_{table_name}_group", table_name=table_name, schema=schema)
-    op.drop_column(table_name, "group_key", schema=schema)
+    _drop_indexed_column(table_name, "group_key", "group", schema)
 
 
 def add_priority_column(table_name: str = DEFAULT_TABLE, *, schema: str | None = None) -> None:
@@ -197,25 +190,42 @@ def add_priority_column(table_name: str = DEFAULT_TABLE, *, schema: str | None =
     offline (``--sql``) it is always emitted."""
     if _has_column(table_name, "priority", schema):
         return
-    op.add_column(
-        table_name,
-        sa.Column("priority", sa.Integer(), server_default="0", nullable=False),
-        schema=schema,
-    )
-    op.create_index(
-        f"ix_{table_name}_priority",
-        table_name,
-        ["queue", sa.text("priority DESC"), "scheduled_at", "id"],
-        schema=schema,
-        postgresql_where=sa.text("priority > 0"),
-        sqlite_where=sa.text("priority > 0"),
-    )
+    column = sa.Column("priority", sa.Integer(), server_default="0", nullable=False)
+    index = ["queue", sa.text("priority DESC"), "scheduled_at", "id"]
+    _add_indexed_column(table_name, column, "priority", index, "priority > 0", schema)
 
 
 def drop_priority_column(table_name: str = DEFAULT_TABLE, *, schema: str | None = None) -> None:
     """Undo :func:`add_priority_column`: the priorities of stored messages are lost."""
-    op.drop_index(f"ix_{table_name}_priority", table_name=table_name, schema=schema)
-    op.drop_column(table_name, "priority", schema=schema)
+    _drop_indexed_column(table_name, "priority", "priority", schema)
+
+
+def _add_indexed_column(
+    table_name: str,
+    column: sa.Column[Any],
+    index_suffix: str,
+    index_columns: list[Any],
+    where: str,
+    schema: str | None,
+) -> None:
+    """A column and its index ``ix_<table>_<suffix>``, partial (``WHERE where``) on PostgreSQL
+    and SQLite; MariaDB/MySQL have no partial indexes and index every row."""
+    op.add_column(table_name, column, schema=schema)
+    op.create_index(
+        f"ix_{table_name}_{index_suffix}",
+        table_name,
+        index_columns,
+        schema=schema,
+        postgresql_where=sa.text(where),
+        sqlite_where=sa.text(where),
+    )
+
+
+def _drop_indexed_column(
+    table_name: str, column: str, index_suffix: str, schema: str | None
+) -> None:
+    op.drop_index(f"ix_{table_name}_{index_suffix}", table_name=table_name, schema=schema)
+    op.drop_column(table_name, column, schema=schema)
 
 
 def _has_column(table_name: str, column: str, schema: str | None) -> bool:
