@@ -65,19 +65,19 @@ def consume(url: str, mode: str, workers: int, out: Path) -> None:
         return polled
 
     queue.poll_batch = timed  # type: ignore[method-assign]
-    process = queue.process_one
+    process = queue.process_next
 
     def timed_process(session: Any, handler: Any) -> Any:
         # Transactional mode: the take (a DELETE ... RETURNING) and the handler, in one call.
         started = time.perf_counter()
-        result = process(session, handler)
+        result, ahead = process(session, handler)
         with lock:
             state["takes"].append(time.perf_counter() - started)
             state["empty"] += result is None
-        return result
+        return result, ahead
 
     if mode == "transactional":
-        queue.process_one = timed_process  # type: ignore[method-assign]
+        queue.process_next = timed_process  # type: ignore[method-assign]
 
     def handled(*_: Any) -> None:
         with lock:

@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session
 
 from . import controls
 from ._dialects import Listener, is_transient, strategy_class
-from ._leases import LeasedQueue, Polled
+from ._leases import Ahead, LeasedQueue, Polled
 from ._types import Envelope, NackOutcome
 from ._wakeup import Wake
 from .errors import InvalidArgument, WorkerError
@@ -211,9 +211,9 @@ class Source(Protocol):
     def extend(
         self, session: Session, envelope: Envelope[Any], lease: timedelta | None = None
     ) -> Envelope[Any] | None: ...
-    def process_one(
+    def process_next(
         self, session: Session, handler: Callable[[Envelope[Any], Session], Any]
-    ) -> tuple[Envelope[Any], BaseException | None, NackOutcome | None] | None: ...
+    ) -> tuple[tuple[Envelope[Any], BaseException | None, NackOutcome | None] | None, Ahead]: ...
     def next_due(self, session: Session) -> datetime | None: ...
     def gate(self, session: Session) -> controls.QueueControls | None: ...
 
@@ -392,6 +392,8 @@ class BaseWorker(Generic[S]):
         self._in_flight = InFlight()
         self._rt: Runtime | None = None
         self._started = False
+        #: A listener runs: offers from other processes wake this worker (see ``_after_one``).
+        self._listening = False
         self._stop_requested = False
 
     # -- configuration -------------------------------------------------------------------
@@ -547,6 +549,7 @@ class BaseWorker(Generic[S]):
         listener = strategy_class(engine.dialect).listener(engine.url, self._tables(), wake)
         if listener is not None:
             listener.start()
+            self._listening = True
         return listener
 
     def _check_startable(self) -> None:
@@ -786,7 +789,7 @@ class BaseWorker(Generic[S]):
             if rt.stopping:
                 return Taken(0, False, None)
             started = time.monotonic()
-            result = reg.source.process_one(s, handle)
+            result, ahead = reg.source.process_next(s, handle)
             if result is None:
                 return Taken(0, False, self._idle(s, reg))
         envelope, error, outcome = result
@@ -796,7 +799,19 @@ class BaseWorker(Generic[S]):
         else:
             log_failure(reg.source.name, envelope.key, envelope.attempt, error, outcome)
             self.hooks.failed(reg.source.name, envelope, error, outcome or NackOutcome.STALE)
-        return Taken(1, True, None)
+        return self._after_one(reg, ahead)
+
+    def _after_one(self, reg: Registration, ahead: Ahead) -> Taken:
+        """After a transactional message: take again at once unless its take saw that nothing
+        else is due. Trusted only with a listener: an offer committed by another process while
+        the handler ran is then a wake-up, as for an idle consumer (in-process offers always
+        wake); without one, the consumer takes again to see it, as before."""
+        if not ahead.known or not self._listening:
+            return Taken(1, True, None)
+        if ahead.next_at is None:
+            return Taken(1, False, None)
+        due_in = (ahead.next_at - reg.source.now()).total_seconds()
+        return Taken(1, True, None) if due_in <= 0 else Taken(1, False, due_in)
 
     def _heartbeat(self) -> None:
         """Extend leases of long lease-mode handlers at half-lease, up to ``handler_timeout``."""

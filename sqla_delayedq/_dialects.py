@@ -328,11 +328,14 @@ class Strategy(abc.ABC):
         limit: int,
         grouping: st.Grouping = None,
         boosted: bool = False,
+        ahead: bool = False,
     ) -> list[Any]:
         """Take up to ``limit`` due rows by deleting them in the caller's transaction.
 
         One ``DELETE ... RETURNING`` where the backend has it, else a locking select and a
-        delete; the rows come back in due order, as they were.
+        delete; the rows come back in due order, as they were. With ``ahead`` (a take of one)
+        a backend that can read it in the same statement (``SKIP LOCKED`` and ``RETURNING``)
+        adds ``next_at`` to the row (see :func:`~sqla_delayedq._statements.next_pending`).
         """
         if not self.delete_returning:
             picked = self._due(session, t, queue, now, limit, grouping, boosted)
@@ -340,11 +343,12 @@ class Strategy(abc.ABC):
                 session.execute(delete(t).where(t.c.id.in_([r.id for r in picked])))
             return list(picked)
         skip_locked = self.poll_lock is not None
+        ahead = ahead and skip_locked
         stmt = self.cached(
             t,
-            f"consume:{grouping}:{boosted}",
+            f"consume:{grouping}:{boosted}:{ahead}",
             lambda: st.consume_returning(
-                t, P.queue, P.now, P.limit, skip_locked, grouping, boosted
+                t, P.queue, P.now, P.limit, skip_locked, grouping, boosted, ahead
             ),
         )
         rows = list(session.execute(stmt, P.take(queue, now, now, limit, "")).all())

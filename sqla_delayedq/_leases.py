@@ -33,11 +33,24 @@ from .retry import RetryPolicy
 
 T = TypeVar("T")
 
-__all__ = ["LeaseLost", "LeasedQueue", "Processed", "check_count"]
+__all__ = ["UNSEEN", "Ahead", "LeaseLost", "LeasedQueue", "Processed", "check_count"]
 
 #: What transactional processing of one row returns: the envelope, the handler's error (None:
 #: handled and acknowledged in the caller's transaction) and what the failure did.
 Processed = tuple[Envelope[T], BaseException | None, NackOutcome | None]
+
+
+class Ahead(NamedTuple):
+    """What a transactional take saw of its queue beyond the message it took."""
+
+    #: False: the take cannot tell (the backend, a queue with groups, priorities or controls,
+    #: a failed attempt whose retry time it did not see, an entity queue): take again to see.
+    known: bool
+    #: When known: the due time of the queue's next pending row (None: there is none).
+    next_at: datetime | None
+
+
+UNSEEN = Ahead(False, None)
 
 
 class LeaseLost(Exception):
@@ -113,6 +126,13 @@ class LeasedQueue(abc.ABC, Generic[T]):
         self, session: Session, handler: Callable[[Envelope[T], Session], Any]
     ) -> Processed[T] | None:
         """Transactional mode for one row, inside the caller's transaction."""
+
+    def process_next(
+        self, session: Session, handler: Callable[[Envelope[T], Session], Any]
+    ) -> tuple[Processed[T] | None, Ahead]:
+        """:meth:`process_one`, and what its take saw of the queue beyond the row it took (a
+        consumer that knows nothing more is due does not take again only to find nothing)."""
+        return self.process_one(session, handler), UNSEEN
 
     # -- take ----------------------------------------------------------------------------------
 

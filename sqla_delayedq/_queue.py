@@ -20,7 +20,7 @@ from ._admin import AdminMixin
 from ._codec import Codec, check_name, decode_headers, encode_headers, error_text, verbatim
 from ._dialects import Claimed, Claims, Strategy, is_transient, strategy_for, transient_as_ours
 from ._handlers import call_sync_handler
-from ._leases import LeasedQueue, Processed, check_count
+from ._leases import UNSEEN, Ahead, LeasedQueue, Processed, check_count
 from ._offers import OfferInput
 from ._rules import after_failure, check_priority
 from ._time import Clock, require_aware, require_duration, system_clock
@@ -306,7 +306,9 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
             return [replace(e, lock_token="") for e in envelopes]
         return [envelope for envelope, _ in self._consume_rows(session, n)]
 
-    def _consume_rows(self, session: Session, n: int) -> list[tuple[Envelope[T], Any]]:
+    def _consume_rows(
+        self, session: Session, n: int, *, ahead: bool = False
+    ) -> list[tuple[Envelope[T], Any]]:
         strategy = strategy_for(session)
         if self.grouping is not None:
             strategy.check_group_isolation(session)
@@ -323,6 +325,7 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
                     n - len(taken) - len(rows),
                     self.grouping,
                     boosted,
+                    ahead,
                 )
                 if len(taken) + len(rows) >= n:
                     break
@@ -384,16 +387,27 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         its retry time: ``(envelope, error, outcome)``. Transient database errors are re-raised
         (roll back and retry: nothing is lost, no attempt is counted). None when nothing is due.
         """
+        return self.process_next(session, handler)[0]
+
+    @transient_as_ours
+    def process_next(
+        self, session: Session, handler: Callable[[Envelope[T], Session], Any]
+    ) -> tuple[Processed[T] | None, Ahead]:
+        """:meth:`process_one`, and what its take saw of the queue beyond the message it took
+        (PostgreSQL reads it in the take's statement, for a queue without groups, priorities or
+        controls; elsewhere :data:`~sqla_delayedq._leases.UNSEEN`)."""
         gate = self._transactional_gate(session)
         if gate == "paused":
-            return None
+            return None, UNSEEN
         if gate == "limited":
             leased = self._limited_take(session, 1)
-            return self._process_leased(session, handler, leased[0]) if leased else None
-        taken = self._consume_rows(session, 1)
+            return (self._process_leased(session, handler, leased[0]) if leased else None), UNSEEN
+        plain = self.grouping is None and not self.priorities
+        taken = self._consume_rows(session, 1, ahead=plain)
         if not taken:
-            return None
+            return None, UNSEEN
         envelope, row = taken[0]
+        ahead = Ahead(True, row.next_at) if "next_at" in row._fields else UNSEEN
         try:
             with session.begin_nested():
                 call_sync_handler(handler, envelope, session)
@@ -404,8 +418,9 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
             failure = after_failure(self.retry_policy, envelope.attempt, now)
             self._put_back(session, row, failure.attempts, error_text(exc), failure.next_at, now)
             outcome = NackOutcome.DEAD if failure.dead else NackOutcome.RETRY_SCHEDULED
-            return envelope, exc, outcome
-        return envelope, None, None
+            # The retry time is not in what the take saw: the consumer looks again.
+            return (envelope, exc, outcome), UNSEEN
+        return (envelope, None, None), ahead
 
     @transient_as_ours
     def record_failure(

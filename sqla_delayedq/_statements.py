@@ -405,10 +405,12 @@ def consume_returning(
     skip_locked: bool,
     grouping: Grouping = None,
     boosted: bool = False,
+    ahead: bool = False,
 ) -> Any:
     """Take due rows by deleting them inside the caller's transaction (seed 002).
 
-    The rows come back as they were; a rollback restores them, due at once.
+    The rows come back as they were; a rollback restores them, due at once. With ``ahead``
+    each row also carries ``next_at`` (see :func:`next_pending`).
     """
     due = take_filter(t, queue, now, grouping, boosted)
     order = take_order(t, boosted)
@@ -417,7 +419,35 @@ def consume_returning(
         cond = row_tid(t) == any_(ArrayOf(picked.with_for_update(skip_locked=True)))
     else:
         cond = t.c.id.in_(select(t.c.id).where(due).order_by(*order).limit(limit).scalar_subquery())
-    return delete(t).where(cond).returning(*columns(t, TAKE_COLUMNS))
+    returned = columns(t, TAKE_COLUMNS)
+    if ahead:
+        returned.append(next_pending(t, queue))
+    return delete(t).where(cond).returning(*returned)
+
+
+def next_pending(t: Table, queue: Any) -> ColumnElement[Any]:
+    """``next_at``: the due time of the queue's first pending row other than the returned one
+    (a take of one), read in the take's own statement, so a transactional consumer knows
+    whether to take again without an empty take to find out.
+
+    A plain read of the ``due`` index (one probe past the taken row): rows other consumers
+    hold count (they are due, so the consumer takes again and may find nothing), and rows
+    offered after the statement began do not (their offers wake the consumer).
+    """
+    other = t.alias("ahead")
+    return (
+        select(other.c.scheduled_at)
+        .where(
+            other.c.queue == queue,
+            other.c.scheduled_at.is_not(None),
+            other.c.id != t.c.id,
+        )
+        .order_by(other.c.scheduled_at, other.c.id)
+        .limit(1)
+        .correlate(t)
+        .scalar_subquery()
+        .label("next_at")
+    )
 
 
 def recordset_insert(t: Table) -> Any:

@@ -60,8 +60,28 @@ def take_plans(conn, now) -> dict[str, str]:
         for name, stmt in (
             ("claim", st.claim_returning(T, "q", now, until, limit, "tok.")),
             ("consume", st.consume_returning(T, "q", now, limit, True)),
+            ("consume ahead", st.consume_returning(T, "q", now, limit, True, ahead=True)),
         )
     }
+
+
+def ahead_scans(plan: str) -> list[str]:
+    """The scan nodes of a transactional take's look-ahead (``next_pending``, alias ``ahead``)."""
+    return [
+        line.strip().removeprefix("->  ")
+        for line in plan.splitlines()
+        if re.search(r"Scan.* on delayed_queue ahead\s+\(", line)
+    ]
+
+
+def assert_look_ahead_probes_the_due_index(plans: dict[str, str]) -> None:
+    for name, plan in plans.items():
+        scans = ahead_scans(plan)
+        if "ahead" not in name:
+            assert not scans, plan
+            continue
+        assert len(scans) == 1, plan
+        assert re.match(r"Index (Only )?Scan using ix_delayed_queue_due", scans[0]), plan
 
 
 def insert_rows(conn, prefix: str, n: int) -> None:
@@ -92,7 +112,9 @@ def test_take_finds_picked_rows_by_tid_on_an_analysed_empty_table(pg, clock):
     with pg.engine.begin() as conn:
         conn.exec_driver_sql("ANALYZE delayed_queue")
     with pg.engine.connect() as conn:
-        assert_picked_rows_found_by_tid(take_plans(conn, clock()), pages(conn))
+        plans = take_plans(conn, clock())
+        assert_picked_rows_found_by_tid(plans, pages(conn))
+        assert_look_ahead_probes_the_due_index(plans)
 
 
 def test_take_finds_picked_rows_by_tid_on_a_bloated_table_analysed_when_nearly_empty(pg, clock):
@@ -111,6 +133,7 @@ def test_take_finds_picked_rows_by_tid_on_a_bloated_table_analysed_when_nearly_e
         plans = take_plans(conn, clock())
         assert_picked_rows_found_by_tid(plans, table_pages)
         assert all("Tid Scan" in plan for plan in plans.values()), plans
+        assert_look_ahead_probes_the_due_index(plans)
 
 
 def test_take_finds_picked_rows_by_tid_on_a_bloated_table_analysed_after(pg, clock):
@@ -121,7 +144,9 @@ def test_take_finds_picked_rows_by_tid_on_a_bloated_table_analysed_after(pg, clo
     with pg.engine.begin() as conn:
         conn.exec_driver_sql("ANALYZE delayed_queue")
     with pg.engine.connect() as conn:
-        assert_picked_rows_found_by_tid(take_plans(conn, clock()), pages(conn))
+        plans = take_plans(conn, clock())
+        assert_picked_rows_found_by_tid(plans, pages(conn))
+        assert_look_ahead_probes_the_due_index(plans)
 
 
 # -- a queue with groups: the pick stays on the due index, the head probe on the group index -----

@@ -7,10 +7,13 @@ Handlers run on real worker threads against a real database; deliveries are coun
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -348,13 +351,28 @@ def test_an_idle_worker_sleeps_only_until_the_next_due_message(backend, make_wor
     assert due <= handled[0] <= offered + timedelta(seconds=1.5)
 
 
-class TakeCounter:
-    """Counts the takes a worker makes of a queue, and those that found nothing."""
+class Takes:
+    """Takes of a queue, and those that found nothing."""
 
-    def __init__(self, q: DelayedQueue[Any]) -> None:
+    def __init__(self) -> None:
         self.takes = 0
         self.empty = 0
         self.lock = threading.Lock()
+
+    def settled(self, quiet: float = 0.5) -> tuple[int, int]:
+        """(takes, empty takes) once no take happened for ``quiet`` seconds."""
+        last = (-1, -1)
+        while (self.takes, self.empty) != last:
+            last = (self.takes, self.empty)
+            time.sleep(quiet)
+        return last
+
+
+class TakeCounter(Takes):
+    """Counts the takes a worker makes of a queue (``poll_batch``)."""
+
+    def __init__(self, q: DelayedQueue[Any]) -> None:
+        super().__init__()
         take = q.poll_batch
 
         def counted(session: Session, n: int, **kw: Any) -> Any:
@@ -365,14 +383,6 @@ class TakeCounter:
             return polled
 
         q.poll_batch = counted  # type: ignore[method-assign]
-
-    def settled(self, quiet: float = 0.5) -> tuple[int, int]:
-        """(takes, empty takes) once no take happened for ``quiet`` seconds."""
-        last = (-1, -1)
-        while (self.takes, self.empty) != last:
-            last = (self.takes, self.empty)
-            time.sleep(quiet)
-        return last
 
 
 @pytest.mark.parametrize(
@@ -405,6 +415,132 @@ def test_an_offer_wakes_as_many_idle_consumers_as_its_messages_need(
     assert sorted(handled) == [f"k{i}" for i in range(messages)]
     assert after[0] - before[0] == takes
     assert after[1] - before[1] <= empty
+
+
+class ProcessCounter(Takes):
+    """Counts a transactional worker's takes of a queue (``process_next``)."""
+
+    def __init__(self, q: DelayedQueue[Any]) -> None:
+        super().__init__()
+        process = q.process_next
+
+        def counted(session: Session, handler: Any) -> Any:
+            result, ahead = process(session, handler)
+            with self.lock:
+                self.takes += 1
+                self.empty += result is None
+            return result, ahead
+
+        q.process_next = counted  # type: ignore[method-assign]
+
+
+#: A producer process: one offer to ``sys.argv[2]`` per line read, key = the line; prints "ok".
+PRODUCER = """
+import sys
+from sqlalchemy.orm import sessionmaker
+from sqla_delayedq import DelayedQueue, create_engine
+sessions, q = sessionmaker(create_engine(sys.argv[1])), DelayedQueue(sys.argv[2])
+for line in sys.stdin:
+    with sessions() as s, s.begin():
+        q.offer(s, line.strip(), {})
+    print("ok", flush=True)
+"""
+
+
+@contextlib.contextmanager
+def producer_process(backend: Any, queue: str) -> Iterator[Callable[[str], None]]:
+    """``offer(key)`` in another process (a web app's offers, as a worker sees them)."""
+    url = backend.url.render_as_string(hide_password=False)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PRODUCER, url, queue],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+
+    def offer_there(key: str) -> None:
+        proc.stdin.write(key + "\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "ok"
+
+    try:
+        yield offer_there
+    finally:
+        proc.stdin.close()
+        assert proc.wait(30) == 0
+
+
+def test_a_transactional_consumer_does_not_take_again_when_its_take_saw_nothing_more(
+    pg, make_worker
+):
+    """Issue 19: one message at a time from a producer process, each handled before the next
+    is offered. The take reads the queue's next due time in its own statement (PostgreSQL), so
+    a consumer whose take saw nothing more waits for the next offer's wake-up: one take per
+    message, where it used to take again and find nothing after each one."""
+    q: DelayedQueue[Any] = DelayedQueue("ahead")
+    handled: list[str] = []
+    counter = ProcessCounter(q)
+    worker = make_worker(pg, concurrency=2, poll_interval=30)
+    worker.register(q, lambda env, session: handled.append(env.key), mode="transactional")
+    with running(worker), producer_process(pg, "ahead") as offer_there:
+        before = counter.settled()
+        offered: list[str] = []
+        for i in range(10):
+            offered.append(f"k{i}")
+            offer_there(offered[-1])
+            assert wait_for(lambda: len(handled) == len(offered), 10)
+        after = counter.settled()
+    assert handled == offered
+    assert (after[0] - before[0], after[1] - before[1]) == (10, 0)
+
+
+def test_an_offer_from_another_process_during_a_transactional_handler_is_handled_at_once(
+    server_backend, make_worker
+):
+    """The take of ``first`` saw nothing more; ``second``, offered by another process while
+    ``first``'s handler runs, still starts within moments, not after the 30 s poll interval:
+    its offer is a wake-up (PostgreSQL's listener), or the consumer takes again (MariaDB)."""
+    q: DelayedQueue[Any] = DelayedQueue("ahead-cross")
+    handled: list[tuple[str, float]] = []
+    release = threading.Event()
+
+    def handler(env: Envelope[Any], session: Session) -> None:
+        handled.append((env.key, time.monotonic()))
+        if env.key == "first":
+            assert release.wait(30)
+
+    worker = make_worker(server_backend, concurrency=1, poll_interval=30)
+    worker.register(q, handler, mode="transactional")
+    with running(worker), producer_process(server_backend, "ahead-cross") as offer_there:
+        time.sleep(0.3)
+        offer(server_backend, q, "first")
+        assert wait_for(lambda: len(handled) == 1, 5)
+        offer_there("second")
+        offered = time.monotonic()
+        release.set()
+        assert wait_for(lambda: len(handled) == 2, 10)
+    assert [k for k, _ in handled] == ["first", "second"]
+    assert handled[1][1] - offered < 5.0
+
+
+def test_a_transactional_consumer_sleeps_until_the_next_due_message_it_saw(backend, make_worker):
+    """``later`` is due 1 s after ``now``: handled when due, not after the poll interval."""
+    q: DelayedQueue[Any] = DelayedQueue("ahead-later")
+    handled: list[tuple[str, datetime]] = []
+    worker = make_worker(backend, concurrency=1, poll_interval=30)
+    worker.register(
+        q, lambda env, session: handled.append((env.key, utcnow())), mode="transactional"
+    )
+    with running(worker):
+        time.sleep(0.3)
+        due = utcnow() + timedelta(seconds=1)
+        with backend.Session() as s, s.begin():
+            q.offer(s, "later", {}, at=due)
+            q.offer(s, "now", {})
+        assert wait_for(lambda: len(handled) == 2, 10)
+    assert [k for k, _ in handled] == ["now", "later"]
+    assert due <= handled[1][1] <= due + timedelta(seconds=3)
 
 
 def test_an_offer_to_another_queue_of_the_table_wakes_nobody(backend, make_worker):
