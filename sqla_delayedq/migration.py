@@ -27,7 +27,8 @@ by an older version gets each later change from an operation shipped for it, whi
 the host's calls once: :func:`upgrade_key_collation` (keys compared byte for byte on
 MariaDB/MySQL), :func:`add_headers_column` (message headers, the change of ``delayedq_0005``)
 and :func:`add_group_column` and :func:`add_priority_column` (message groups and priorities,
-``delayedq_0006``).
+``delayedq_0006``), :func:`upgrade_lock_token_index` (the lock-token index made partial,
+``delayedq_0007``).
 Each such operation emits fixed DDL and is harmless on a table that has the change
 already, so a revision stays correct whichever version created the table.
 
@@ -50,6 +51,7 @@ from sqlalchemy.orm import DeclarativeBase
 from ._engine import Family, family
 from ._time import DateTimeUTC
 from .models import (
+    LOCK_TOKEN_PREDICATE,
     MARIADB_EXACT_COLLATION,
     MYSQL_EXACT_COLLATION,
     NAMING_CONVENTION,
@@ -65,6 +67,7 @@ __all__ = [
     "add_priority_column",
     "create_queue_table",
     "downgrade_key_collation",
+    "downgrade_lock_token_index",
     "drop_group_column",
     "drop_headers_column",
     "drop_priority_column",
@@ -72,6 +75,7 @@ __all__ = [
     "queue_table",
     "render_item",
     "upgrade_key_collation",
+    "upgrade_lock_token_index",
 ]
 
 DEFAULT_TABLE = "delayed_queue"
@@ -198,6 +202,73 @@ def add_priority_column(table_name: str = DEFAULT_TABLE, *, schema: str | None =
 def drop_priority_column(table_name: str = DEFAULT_TABLE, *, schema: str | None = None) -> None:
     """Undo :func:`add_priority_column`: the priorities of stored messages are lost."""
     _drop_indexed_column(table_name, "priority", "priority", schema)
+
+
+def upgrade_lock_token_index(table_name: str = DEFAULT_TABLE, *, schema: str | None = None) -> None:
+    """Make ``ix_<table>_lock_token`` partial (``WHERE lock_token IS NOT NULL``) on PostgreSQL
+    and SQLite (``delayedq_0007`` for the default table); a no-op on MariaDB/MySQL, which have no
+    partial indexes.
+
+    Only leased rows have a token, and only they are looked up by it: an offer then writes no
+    entry in this index, and each message leaves one dead index entry fewer for ``VACUUM``. The
+    index is dropped and created again in the revision's transaction (the table is locked for
+    the build; a queue table is small). Harmless on an index that is partial already; offline
+    (``--sql``) it is always emitted.
+    """
+    if family(op.get_context().dialect) is Family.MYSQL:
+        return
+    state = _index_predicate(table_name, "lock_token", schema)
+    if state != "partial":
+        _recreate_lock_token_index(table_name, schema, partial=True, drop=state != "missing")
+
+
+def downgrade_lock_token_index(
+    table_name: str = DEFAULT_TABLE, *, schema: str | None = None
+) -> None:
+    """Undo :func:`upgrade_lock_token_index`: the index covers every row again."""
+    if family(op.get_context().dialect) is Family.MYSQL:
+        return
+    state = _index_predicate(table_name, "lock_token", schema)
+    if state != "full":
+        _recreate_lock_token_index(table_name, schema, partial=False, drop=state != "missing")
+
+
+def _recreate_lock_token_index(
+    table_name: str, schema: str | None, *, partial: bool, drop: bool
+) -> None:
+    name = f"ix_{table_name}_lock_token"
+    where: dict[str, Any] = {}
+    if partial:
+        predicate = sa.text(LOCK_TOKEN_PREDICATE)
+        where = {"postgresql_where": predicate, "sqlite_where": predicate}
+    if drop:
+        op.drop_index(name, table_name=table_name, schema=schema)
+    op.create_index(name, table_name, ["lock_token"], schema=schema, **where)
+
+
+def _index_predicate(
+    table_name: str, suffix: str, schema: str | None
+) -> Literal["partial", "full", "missing", "offline"]:
+    """Whether ``ix_<table>_<suffix>`` has a ``WHERE`` clause, from the catalog's own DDL of it
+    (PostgreSQL's ``pg_indexes``, SQLite's ``sqlite_master``); offline nothing is known."""
+    context = op.get_context()
+    if context.as_sql:
+        return "offline"
+    name = f"ix_{table_name}_{suffix}"
+    if family(context.dialect) is Family.POSTGRESQL:
+        query = sa.text(
+            "SELECT indexdef FROM pg_indexes WHERE indexname = :name"
+            " AND schemaname = coalesce(:schema, current_schema())"
+        )
+        params: dict[str, Any] = {"name": name, "schema": schema}
+    else:
+        master = "sqlite_master" if schema is None else f'"{schema}".sqlite_master'
+        query = sa.text(f"SELECT sql FROM {master} WHERE type = 'index' AND name = :name")
+        params = {"name": name}
+    ddl = op.get_bind().execute(query, params).scalar()
+    if ddl is None:
+        return "missing"
+    return "partial" if " WHERE " in ddl.upper() else "full"
 
 
 def _add_indexed_column(

@@ -131,6 +131,10 @@ BYTES_TYPE = LargeBinary().with_variant(mysql.LONGBLOB(), "mysql", "mariadb")
 ID_TYPE = BigInteger().with_variant(Integer(), "sqlite")
 
 
+#: The lock-token index's predicate (partial where the backend has partial indexes).
+LOCK_TOKEN_PREDICATE = "lock_token IS NOT NULL"
+
+
 class QueueMessageMixin:
     """Columns, constraints and indexes of a message table. The user names the table."""
 
@@ -166,7 +170,15 @@ class QueueMessageMixin:
             UniqueConstraint("queue", "key", name=conv(f"uq_{table}_queue_key")),
             # Due messages of one queue in order: an index range scan, never a table scan.
             Index(conv(f"ix_{table}_due"), "queue", "scheduled_at", "id"),
-            Index(conv(f"ix_{table}_lock_token"), "lock_token"),
+            # Leased rows (in-flight counts of limited queues): only rows that have a token
+            # (partial) on PostgreSQL and SQLite, so an offer writes no entry here and a message
+            # leaves one dead index entry fewer behind it.
+            Index(
+                conv(f"ix_{table}_lock_token"),
+                "lock_token",
+                postgresql_where=text(LOCK_TOKEN_PREDICATE),
+                sqlite_where=text(LOCK_TOKEN_PREDICATE),
+            ),
             # A group's earlier messages, for the head-of-group probe of a grouped take; only
             # rows with a group (MariaDB/MySQL have no partial indexes and index them all).
             Index(

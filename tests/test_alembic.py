@@ -39,6 +39,7 @@ from sqla_delayedq.migration import (
     DATETIME_UTC_DDL,
     create_queue_table,
     downgrade_key_collation,
+    downgrade_lock_token_index,
     drop_group_column,
     drop_headers_column,
     drop_priority_column,
@@ -167,6 +168,26 @@ def key_collations(engine: Engine, table: str) -> dict[str, str]:
         return {str(name): str(collation) for name, collation in found}
 
 
+def lock_token_index(backend: str, engine: Engine, table: str) -> str:
+    """Whether ``ix_<table>_lock_token`` is "partial" (``WHERE lock_token IS NOT NULL``) or
+    "full", from the catalog's own DDL (MariaDB has no partial indexes)."""
+    name = f"ix_{table}_lock_token"
+    if backend == "mariadb":
+        indexes = {ix["name"] for ix in sa.inspect(engine).get_indexes(table)}
+        assert name in indexes
+        return "full"
+    query = {
+        "postgresql": "SELECT indexdef FROM pg_indexes WHERE indexname = :name",
+        "sqlite": "SELECT sql FROM sqlite_master WHERE type = 'index' AND name = :name",
+    }[backend]
+    with engine.connect() as conn:
+        ddl = conn.execute(sa.text(query), {"name": name}).scalar_one()
+    if "WHERE" not in ddl.upper():
+        return "full"
+    assert "lock_token IS NOT NULL" in ddl.replace("(", "").replace(")", ""), ddl
+    return "partial"
+
+
 def assert_queue_table(backend: str, engine: Engine, name: str) -> None:
     """What compare_metadata does not look at: check constraints, collations, precision."""
     inspector = sa.inspect(engine)
@@ -176,6 +197,9 @@ def assert_queue_table(backend: str, engine: Engine, name: str) -> None:
     assert uniques[f"uq_{name}_queue_key"] == ["queue", "key"]
     checks = {ck["name"] for ck in inspector.get_check_constraints(name)}
     assert f"ck_{name}_status" in checks
+    assert lock_token_index(backend, engine, name) == (
+        "full" if backend == "mariadb" else "partial"
+    )
     if backend in COLUMN_FACTS:
         query, expected = COLUMN_FACTS[backend]
         with engine.connect() as conn:
@@ -516,6 +540,7 @@ def test_headers_and_groups_revisions_keep_the_rows_of_a_0004_table(
             {"traceparent": "00-x"},
             "g",
         )
+    command.upgrade(config, "head")
     assert_queue_table(backend, engine, "delayed_queue")
 
     command.downgrade(config, "delayedq_0004")
@@ -524,15 +549,55 @@ def test_headers_and_groups_revisions_keep_the_rows_of_a_0004_table(
     assert len(rows(engine, "delayed_queue")) == 102
 
 
+def test_partial_lock_token_index_revision_keeps_the_rows_of_a_0006_table(
+    fresh_database: tuple[str, URL], engine_for: Any
+) -> None:
+    """``delayedq_0007``: the lock-token index covers leased rows only (PostgreSQL, SQLite), and
+    a lease taken before the upgrade is still acknowledged by its token after it."""
+    backend, url = fresh_database
+    engine = engine_for(url)
+    config = alembic_config(None, url)
+    command.upgrade(config, "delayedq_0006")
+    with engine.begin() as conn, Operations.context(MigrationContext.configure(conn)):
+        downgrade_lock_token_index()  # the index as every version before 0007 created it
+    queue: DelayedQueue[dict[str, int]] = DelayedQueue("q")
+    with Session(engine) as session, session.begin():
+        queue.offer_batch(session, [(f"key/{i}", {"i": i}) for i in range(100)])
+    with Session(engine) as session, session.begin():
+        leased = queue.try_poll_many(session, 3)
+    assert lock_token_index(backend, engine, "delayed_queue") == "full"
+    before = rows(engine, "delayed_queue")
+
+    command.upgrade(config, "delayedq_0007")
+
+    assert rows(engine, "delayed_queue") == before
+    assert_queue_table(backend, engine, "delayed_queue")
+    assert schema_diff(engine, metadata) == []
+    with Session(engine) as session, session.begin():
+        assert queue.ack_many(session, leased) == 3
+        assert queue.counts(session).pending == 97
+
+    command.downgrade(config, "delayedq_0006")
+
+    assert lock_token_index(backend, engine, "delayed_queue") == "full"
+    assert len(rows(engine, "delayed_queue")) == 97
+    command.upgrade(config, "head")  # and again: harmless on an index that is partial already
+    assert lock_token_index(backend, engine, "delayed_queue") == (
+        "full" if backend == "mariadb" else "partial"
+    )
+
+
 #: A host revision that adds the headers and group columns to a table made by an earlier version.
 HOST_HEADERS_REVISION = """
 from sqla_delayedq.migration import (
     add_group_column,
     add_headers_column,
     add_priority_column,
+    downgrade_lock_token_index,
     drop_group_column,
     drop_headers_column,
     drop_priority_column,
+    upgrade_lock_token_index,
 )
 
 revision = "0003"
@@ -545,9 +610,11 @@ def upgrade() -> None:
     add_headers_column("outbox")
     add_group_column("outbox")
     add_priority_column("outbox")
+    upgrade_lock_token_index("outbox")
 
 
 def downgrade() -> None:
+    downgrade_lock_token_index("outbox")
     drop_priority_column("outbox")
     drop_group_column("outbox")
     drop_headers_column("outbox")
@@ -570,6 +637,7 @@ def test_host_revision_adds_headers_and_groups_to_an_older_table(
         drop_priority_column("outbox")  # the outbox as sqla_delayedq 0.1 created it
         drop_group_column("outbox")
         drop_headers_column("outbox")
+        downgrade_lock_token_index("outbox")
     with engine.begin() as conn:
         conn.execute(
             sa.table("outbox", *[sa.column(c.name, c.type) for c in V0001.c]).insert(),

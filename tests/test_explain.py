@@ -40,6 +40,30 @@ def test_poll_uses_the_due_index_with_10000_rows(pg, make_queue, clock):
         assert "Seq Scan" not in plan, plan
 
 
+def test_in_flight_count_reads_the_partial_lock_token_index(pg, make_queue, clock):
+    """A limited queue's take counts unexpired leases on ``ix_delayed_queue_lock_token``,
+    which holds only leased rows (``delayedq_0007``): 10,000 due rows are not read."""
+    q = make_queue("q")
+    now = clock()
+    with pg.Session() as s, s.begin():
+        q.offer_batch(s, [(f"k{i}", {}, now - timedelta(seconds=i)) for i in range(10_000)])
+    with pg.Session() as s, s.begin():
+        assert len(q.try_poll_many(s, 50)) == 50
+    with pg.engine.connect() as conn:
+        conn.exec_driver_sql("ANALYZE delayed_queue")
+        indexdef = conn.exec_driver_sql(
+            "SELECT indexdef FROM pg_indexes WHERE indexname = 'ix_delayed_queue_lock_token'"
+        ).scalar_one()
+        assert indexdef.endswith("WHERE (lock_token IS NOT NULL)"), indexdef
+        entries = conn.exec_driver_sql(
+            "SELECT reltuples FROM pg_class WHERE relname = 'ix_delayed_queue_lock_token'"
+        ).scalar_one()
+        assert entries == 50
+        plan = explain(conn, st.in_flight(st.message_shape(T), "q", now, False))
+        assert "ix_delayed_queue_lock_token" in plan, plan
+        assert "Seq Scan" not in plan, plan
+
+
 # -- the look-up of the picked rows does not depend on statistics (issue 19) -----------------
 
 
