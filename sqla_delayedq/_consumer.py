@@ -15,6 +15,7 @@ ack/nack/release/extend by lock token, transactional ``process_one``).
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -248,6 +249,24 @@ class Runtime(Protocol):
     def notify(self, _key: str | None = None, count: int | None = None) -> None:
         """Wake ``count`` waiting consumers, or every one when None (from any thread)."""
         ...
+
+
+W = TypeVar("W")
+
+
+def hand_out(waiting: collections.deque[W], count: int | None, wake: Callable[[W], bool]) -> bool:
+    """Give ``count`` wake-ups (every waiter when None) to idle consumers, longest waiting
+    first; ``wake(waiter)`` wakes one and says whether it was still waiting.
+
+    Returns whether some wake-ups found no idle consumer: the runtime then moves its
+    generation, so every consumer busy in a pass looks again when it ends (an offer is never
+    slept through). When idle consumers took them all, busy ones do not look again: each offer
+    gets one take, not one per consumer that happened to be busy when it committed.
+    """
+    while waiting and (count is None or count > 0):
+        if wake(waiting.popleft()) and count is not None:
+            count -= 1
+    return count is None or count > 0
 
 
 #: How soon an idle consumer of a queue with groups looks again while due messages wait behind

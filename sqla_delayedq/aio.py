@@ -34,7 +34,7 @@ from sqlalchemy.ext.asyncio import create_async_engine as sa_create_async_engine
 from sqlalchemy.orm import Session
 from sqlalchemy.util import await_only, greenlet_spawn
 
-from ._consumer import BaseWorker, Mode, WorkerHooks
+from ._consumer import BaseWorker, Mode, WorkerHooks, hand_out
 from ._dialects import is_transient
 from ._engine import configure_sqlite, engine_options
 from ._handlers import check_async_handler
@@ -305,6 +305,14 @@ class AsyncQueue(Generic[T]):
         return await session.run_sync(self.queue.controls)
 
 
+def _resolve(wakeup: asyncio.Future[None]) -> bool:
+    """Wake one waiter; False when it no longer waits (timed out or cancelled)."""
+    if wakeup.done():
+        return False
+    wakeup.set_result(None)
+    return True
+
+
 class AsyncRuntime:
     """Waiting, sleeping, sessions and handler calls for the core's loops in greenlets.
 
@@ -385,15 +393,9 @@ class AsyncRuntime:
         self._soon(lambda: self._bump(count))
 
     def _bump(self, count: int | None) -> None:
-        """Wake ``count`` waiters (every one when None), oldest first."""
-        self._generation += 1
-        waiting = self._waiting
-        while waiting and (count is None or count > 0):
-            wakeup = waiting.popleft()
-            if not wakeup.done():
-                wakeup.set_result(None)
-                if count is not None:
-                    count -= 1
+        """Wake ``count`` waiters (every one when None), oldest first (see ``hand_out``)."""
+        if hand_out(self._waiting, count, _resolve):
+            self._generation += 1
 
     def _soon(self, fn: Callable[[], None]) -> None:
         if not self.loop.is_closed():

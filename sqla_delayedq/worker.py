@@ -19,6 +19,7 @@ The decisions live in :mod:`sqla_delayedq._consumer`, shared with the asyncio wo
 
 from __future__ import annotations
 
+import collections
 import logging
 import signal
 import threading
@@ -28,7 +29,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from ._consumer import BaseWorker, Mode, WorkerHooks
+from ._consumer import BaseWorker, Mode, WorkerHooks, hand_out
 from ._handlers import call_sync_handler, check_sync_handler
 from ._wakeup import subscribe
 
@@ -40,6 +41,21 @@ log = logging.getLogger("sqla_delayedq.worker")
 Handler = Callable[..., Any]
 
 
+class _Slot:
+    """A waiting thread's place in the queue (compared by identity)."""
+
+    __slots__ = ("woken",)
+
+    def __init__(self) -> None:
+        self.woken = False
+
+
+def _flag(slot: _Slot) -> bool:
+    """Wake one waiting thread (its slot leaves the queue only when woken or timed out)."""
+    slot.woken = True
+    return True
+
+
 class ThreadRuntime:
     """Waiting, sleeping, sessions and handler calls for threads."""
 
@@ -48,6 +64,8 @@ class ThreadRuntime:
         self._stop = threading.Event()
         self._cond = threading.Condition()
         self._generation = 0
+        #: One slot per waiting thread, longest waiting first; ``notify`` sets a slot's flag.
+        self._waiting: collections.deque[_Slot] = collections.deque()
 
     @property
     def stopping(self) -> bool:
@@ -75,16 +93,21 @@ class ThreadRuntime:
 
     def wait(self, seen: int, timeout: float) -> None:
         with self._cond:
-            if self._generation == seen and not self._stop.is_set():
-                self._cond.wait(timeout)
+            if self._generation != seen or self._stop.is_set():
+                return
+            slot = _Slot()
+            self._waiting.append(slot)
+            try:
+                self._cond.wait_for(lambda: slot.woken or self._stop.is_set(), timeout)
+            finally:
+                if not slot.woken:  # timed out or stopping: no longer a waiter to wake
+                    self._waiting.remove(slot)
 
     def notify(self, _key: str | None = None, count: int | None = None) -> None:
         with self._cond:
-            self._generation += 1
-            if count is None:
-                self._cond.notify_all()
-            else:
-                self._cond.notify(count)
+            if hand_out(self._waiting, count, _flag):
+                self._generation += 1
+            self._cond.notify_all()  # each waiter checks its own slot
 
 
 class Worker(BaseWorker[sessionmaker[Session]]):

@@ -417,6 +417,40 @@ def test_an_offer_wakes_as_many_idle_consumers_as_its_messages_need(
     assert after[1] - before[1] <= empty
 
 
+def test_an_offer_an_idle_consumer_takes_does_not_send_a_busy_one_looking_too(backend, make_worker):
+    """Issue 19: while one consumer runs a long handler, five offers each wake the idle one,
+    which takes them. The busy consumer, when its handler ends, does not take again for
+    wake-ups another consumer served (it used to: one empty take)."""
+    q: DelayedQueue[Any] = DelayedQueue("busy")
+    handled: list[str] = []
+    release = threading.Event()
+
+    def handler(env: Envelope[Any]) -> None:
+        if env.key == "slow":
+            assert release.wait(30)
+        handled.append(env.key)
+
+    counter = TakeCounter(q)
+    worker = make_worker(backend, concurrency=2, poll_interval=30, listen=False)
+    worker.register(q, handler)
+    with running(worker):
+        before = counter.settled()
+        offer(backend, q, "slow")
+        assert wait_for(lambda: counter.takes == before[0] + 1, 5)
+        counter.settled(0.2)
+        keys: list[str] = []
+        for i in range(5):
+            keys.append(f"k{i}")
+            offer(backend, q, keys[-1])
+            assert wait_for(lambda: len(handled) == len(keys), 5)
+            counter.settled(0.2)  # the idle consumer waits again before the next offer
+        release.set()
+        assert wait_for(lambda: len(handled) == 6, 5)
+        after = counter.settled()
+    assert sorted(handled) == sorted([*keys, "slow"])
+    assert (after[0] - before[0], after[1] - before[1]) == (6, 0)
+
+
 class ProcessCounter(Takes):
     """Counts a transactional worker's takes of a queue (``process_next``)."""
 
