@@ -71,7 +71,14 @@ def _worker(url: URL, mode: str, grouped: bool, log: Path) -> subprocess.Popen[b
 
 
 def drain(
-    url: URL, mode: str, grouped: bool, burst: bool, groups: int, per_group: int, tmp: Path
+    url: URL,
+    mode: str,
+    grouped: bool,
+    burst: bool,
+    groups: int,
+    per_group: int,
+    tmp: Path,
+    analyze: bool = False,
 ) -> float:
     """One run: messages per second from the offer's commit to the last acknowledgement."""
     from datetime import datetime, timedelta, timezone
@@ -102,6 +109,9 @@ def drain(
         ]
         with sessionmaker(engine).begin() as s:
             queue.offer_batch(s, messages)
+        if analyze:  # fresh statistics (and plans) for the full table, as autovacuum's would be
+            with engine.begin() as conn:
+                conn.execute(sa.text("ANALYZE delayed_queue"))
         started = time.perf_counter()
         count = sa.text("SELECT count(*) FROM delayed_queue WHERE queue = :q")
         while True:
@@ -118,20 +128,27 @@ def drain(
         engine.dispose()
 
 
-def run(backends: list[str], runs: int, groups: int, per_group: int) -> dict[str, Any]:
+def run(
+    backends: list[str],
+    runs: int,
+    groups: int,
+    per_group: int,
+    modes: tuple[str, ...] = ("lease", "transactional"),
+    analyze: bool = False,
+) -> dict[str, Any]:
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for backend in backends:
             with fresh_database(backend, Path(tmp)) as url:
                 for arrangement in ("over time", "in bursts"):
-                    for mode in ("lease", "transactional"):
+                    for mode in modes:
                         figures: dict[str, list[float]] = {"plain": [], "groups": []}
                         for r in range(runs):
                             order = (False, True) if r % 2 == 0 else (True, False)
                             for grouped in order:
                                 burst = arrangement == "in bursts"
                                 rate = drain(
-                                    url, mode, grouped, burst, groups, per_group, Path(tmp)
+                                    url, mode, grouped, burst, groups, per_group, Path(tmp), analyze
                                 )
                                 label = "groups" if grouped else "plain"
                                 figures[label].append(rate)
@@ -170,10 +187,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--groups", type=int, default=200)
     parser.add_argument("--per-group", type=int, default=20)
+    parser.add_argument("--modes", default="lease,transactional")
+    parser.add_argument(
+        "--analyze",
+        action="store_true",
+        help="ANALYZE the table after the offer (fresh statistics, as autovacuum's would be)",
+    )
     parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args(argv)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    results = run(backends, args.runs, args.groups, args.per_group)
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    results = run(backends, args.runs, args.groups, args.per_group, modes, args.analyze)
     print(report(results, args.groups, args.per_group, args.runs))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
