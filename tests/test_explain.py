@@ -40,9 +40,10 @@ def test_poll_uses_the_due_index_with_10000_rows(pg, make_queue, clock):
         assert "Seq Scan" not in plan, plan
 
 
-def test_in_flight_count_reads_the_partial_lock_token_index(pg, make_queue, clock):
-    """A limited queue's take counts unexpired leases on ``ix_delayed_queue_lock_token``,
-    which holds only leased rows (``delayedq_0007``): 10,000 due rows are not read."""
+def test_in_flight_count_reads_only_leased_rows(pg, make_queue, clock):
+    """A limited queue's take counts unexpired leases: on ``ix_delayed_queue_lock_token``, which
+    holds only leased rows (``delayedq_0007``), or on the due index past ``now`` (a lease is
+    the row's due time); either way the 10,000 due rows are not read."""
     q = make_queue("q")
     now = clock()
     with pg.Session() as s, s.begin():
@@ -60,8 +61,10 @@ def test_in_flight_count_reads_the_partial_lock_token_index(pg, make_queue, cloc
         ).scalar_one()
         assert entries == 50
         plan = explain(conn, st.in_flight(st.message_shape(T), "q", now, False))
-        assert "ix_delayed_queue_lock_token" in plan, plan
         assert "Seq Scan" not in plan, plan
+        if "ix_delayed_queue_lock_token" not in plan:
+            assert "ix_delayed_queue_due" in plan, plan
+            assert re.search(r"Index Cond: .*scheduled_at > ", plan), plan
 
 
 # -- the look-up of the picked rows does not depend on statistics (issue 19) -----------------
@@ -98,14 +101,18 @@ def ahead_scans(plan: str) -> list[str]:
     ]
 
 
-def assert_look_ahead_probes_the_due_index(plans: dict[str, str]) -> None:
+def assert_look_ahead_probes_the_due_index(plans: dict[str, str], *, bloated: bool) -> None:
+    """One look-ahead probe, in the transactional take only; on a bloated table (where a wrong
+    index would read the dead rows) a probe of the due index. On an analysed empty table the
+    planner may read any index of the queue: there is nothing in it to read."""
     for name, plan in plans.items():
         scans = ahead_scans(plan)
         if "ahead" not in name:
             assert not scans, plan
             continue
         assert len(scans) == 1, plan
-        assert re.match(r"Index (Only )?Scan using ix_delayed_queue_due", scans[0]), plan
+        if bloated:
+            assert re.match(r"Index (Only )?Scan using ix_delayed_queue_due", scans[0]), plan
 
 
 def insert_rows(conn, prefix: str, n: int) -> None:
@@ -138,7 +145,7 @@ def test_take_finds_picked_rows_by_tid_on_an_analysed_empty_table(pg, clock):
     with pg.engine.connect() as conn:
         plans = take_plans(conn, clock())
         assert_picked_rows_found_by_tid(plans, pages(conn))
-        assert_look_ahead_probes_the_due_index(plans)
+        assert_look_ahead_probes_the_due_index(plans, bloated=False)
 
 
 def test_take_finds_picked_rows_by_tid_on_a_bloated_table_analysed_when_nearly_empty(pg, clock):
@@ -157,7 +164,7 @@ def test_take_finds_picked_rows_by_tid_on_a_bloated_table_analysed_when_nearly_e
         plans = take_plans(conn, clock())
         assert_picked_rows_found_by_tid(plans, table_pages)
         assert all("Tid Scan" in plan for plan in plans.values()), plans
-        assert_look_ahead_probes_the_due_index(plans)
+        assert_look_ahead_probes_the_due_index(plans, bloated=True)
 
 
 def test_take_finds_picked_rows_by_tid_on_a_bloated_table_analysed_after(pg, clock):
@@ -170,7 +177,7 @@ def test_take_finds_picked_rows_by_tid_on_a_bloated_table_analysed_after(pg, clo
     with pg.engine.connect() as conn:
         plans = take_plans(conn, clock())
         assert_picked_rows_found_by_tid(plans, pages(conn))
-        assert_look_ahead_probes_the_due_index(plans)
+        assert_look_ahead_probes_the_due_index(plans, bloated=True)
 
 
 # -- a queue with groups: the pick stays on the due index, the head probe on the group index -----
