@@ -215,33 +215,30 @@ def upgrade_lock_token_index(table_name: str = DEFAULT_TABLE, *, schema: str | N
     the build; a queue table is small). Harmless on an index that is partial already; offline
     (``--sql``) it is always emitted.
     """
-    if family(op.get_context().dialect) is Family.MYSQL:
-        return
-    state = _index_predicate(table_name, "lock_token", schema)
-    if state != "partial":
-        _recreate_lock_token_index(table_name, schema, partial=True, drop=state != "missing")
+    _set_lock_token_index(table_name, schema, partial=True)
 
 
 def downgrade_lock_token_index(
     table_name: str = DEFAULT_TABLE, *, schema: str | None = None
 ) -> None:
     """Undo :func:`upgrade_lock_token_index`: the index covers every row again."""
+    _set_lock_token_index(table_name, schema, partial=False)
+
+
+def _set_lock_token_index(table_name: str, schema: str | None, *, partial: bool) -> None:
+    """Make ``ix_<table>_lock_token`` partial or full, unless it is already (or the backend has
+    no partial indexes)."""
     if family(op.get_context().dialect) is Family.MYSQL:
         return
     state = _index_predicate(table_name, "lock_token", schema)
-    if state != "full":
-        _recreate_lock_token_index(table_name, schema, partial=False, drop=state != "missing")
-
-
-def _recreate_lock_token_index(
-    table_name: str, schema: str | None, *, partial: bool, drop: bool
-) -> None:
+    if state == ("partial" if partial else "full"):
+        return
     name = f"ix_{table_name}_lock_token"
     where: dict[str, Any] = {}
     if partial:
         predicate = sa.text(LOCK_TOKEN_PREDICATE)
         where = {"postgresql_where": predicate, "sqlite_where": predicate}
-    if drop:
+    if state != "missing":
         op.drop_index(name, table_name=table_name, schema=schema)
     op.create_index(name, table_name, ["lock_token"], schema=schema, **where)
 
