@@ -42,17 +42,17 @@ Handler = Callable[..., Any]
 
 
 class _Slot:
-    """A waiting thread's place in the queue (compared by identity)."""
+    """A waiting thread's place in the queue, with the event that wakes only that thread."""
 
-    __slots__ = ("woken",)
+    __slots__ = ("event",)
 
     def __init__(self) -> None:
-        self.woken = False
+        self.event = threading.Event()
 
 
 def _flag(slot: _Slot) -> bool:
     """Wake one waiting thread (its slot leaves the queue only when woken or timed out)."""
-    slot.woken = True
+    slot.event.set()
     return True
 
 
@@ -62,9 +62,9 @@ class ThreadRuntime:
     def __init__(self, sessions: sessionmaker[Session]) -> None:
         self.sessions = sessions
         self._stop = threading.Event()
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._generation = 0
-        #: One slot per waiting thread, longest waiting first; ``notify`` sets a slot's flag.
+        #: One slot per waiting thread, longest waiting first; ``notify`` sets a slot's event.
         self._waiting: collections.deque[_Slot] = collections.deque()
 
     @property
@@ -88,26 +88,25 @@ class ThreadRuntime:
         self._stop.wait(seconds)
 
     def generation(self) -> int:
-        with self._cond:
+        with self._lock:
             return self._generation
 
     def wait(self, seen: int, timeout: float) -> None:
-        with self._cond:
+        with self._lock:
             if self._generation != seen or self._stop.is_set():
                 return
             slot = _Slot()
             self._waiting.append(slot)
-            try:
-                self._cond.wait_for(lambda: slot.woken or self._stop.is_set(), timeout)
-            finally:
-                if not slot.woken:  # timed out or stopping: no longer a waiter to wake
-                    self._waiting.remove(slot)
+        slot.event.wait(timeout)
+        with self._lock:
+            if not slot.event.is_set():  # timed out: no longer a waiter to wake
+                self._waiting.remove(slot)
 
     def notify(self, _key: str | None = None, count: int | None = None) -> None:
-        with self._cond:
+        """Wake ``count`` waiting threads, each by its own event (no thundering herd)."""
+        with self._lock:
             if hand_out(self._waiting, count, _flag):
                 self._generation += 1
-            self._cond.notify_all()  # each waiter checks its own slot
 
 
 class Worker(BaseWorker[sessionmaker[Session]]):
