@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, NamedTuple, Protocol, T
 
 from sqlalchemy.orm import Session
 
-from . import controls
+from . import _planner, controls
+from . import _statements as st
 from ._dialects import Listener, is_transient, strategy_class
 from ._leases import Ahead, LeasedQueue, Polled
 from ._types import Envelope, NackOutcome
@@ -184,6 +185,7 @@ class Source(Protocol):
     name: str
     lease: timedelta
     retry_policy: RetryPolicy
+    shape: st.Shape
 
     @property
     def grouping(self) -> str | None:
@@ -386,6 +388,7 @@ class BaseWorker(Generic[S]):
         drain_timeout: float = 30.0,
         hooks: WorkerHooks | None = None,
         name: str | None = None,
+        keep_statistics: bool = True,
     ) -> None:
         concurrency = self.default_concurrency if concurrency is None else concurrency
         if concurrency < 1:
@@ -399,6 +402,8 @@ class BaseWorker(Generic[S]):
         self.poll_interval = poll_interval
         self.batch_size = batch_size
         self.listen = listen
+        #: On PostgreSQL, analyse a table whose planner statistics lag a burst (``_planner``).
+        self.keep_statistics = keep_statistics
         self.drain_timeout = drain_timeout
         self.hooks: WorkerHooks = SafeHooks(hooks or WorkerHooks())
         self.name = name or self.default_name
@@ -570,6 +575,21 @@ class BaseWorker(Generic[S]):
             listener.start()
             self._listening = True
         return listener
+
+    def _side_tasks(self, bind: Any) -> list[Periodic]:
+        """The periodic tasks to run: the registered ones, and where the backend needs it the
+        planner statistics keeper of the worker's tables."""
+        tasks = list(self._periodic)
+        if not self.keep_statistics or bind is None:
+            return tasks
+        engine = getattr(bind, "sync_engine", bind)
+        if strategy_class(engine.dialect).keeps_statistics:
+            tables = [r.source.shape.table for r in self._registrations]
+            keeper = _planner.StatisticsKeeper(
+                tables, engine.dialect.identifier_preparer.format_table
+            )
+            tasks.append(Periodic("planner statistics", keeper, _planner.INTERVAL))
+        return tasks
 
     def _check_startable(self) -> None:
         if not self._registrations:

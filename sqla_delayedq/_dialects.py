@@ -125,6 +125,8 @@ class Strategy(abc.ABC):
     batch_lock: ClassVar[st.Lock] = "update"
     #: Whether ``NOTIFY`` exists to wake listeners on commit.
     has_notify: ClassVar[bool] = False
+    #: Whether workers keep the planner's statistics of their tables fresh (``_planner``).
+    keeps_statistics: ClassVar[bool] = False
     #: Whether ``UPDATE ... RETURNING`` exists.
     update_returning: ClassVar[bool] = True
     #: Whether transactional takes are one ``DELETE ... RETURNING``.
@@ -376,6 +378,7 @@ class PostgreSQLStrategy(Strategy):
     why_min_version = "the minimum version sqla_delayedq is tested against"
     max_params = 60_000
     has_notify = True
+    keeps_statistics = True
 
     @staticmethod
     def channel(table: str) -> str:

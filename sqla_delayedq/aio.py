@@ -439,8 +439,12 @@ class AsyncWorker(BaseWorker[async_sessionmaker[AsyncSession]]):
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_stop)
         unsubscribe = [subscribe(t, self._wake) for t in self._tables()]
-        listener = self._listener(self.sessions.kw.get("bind"), self._wake)
-        side = [asyncio.create_task(greenlet_spawn(self._run_periodic, t)) for t in self._periodic]
+        bind = self.sessions.kw.get("bind")
+        listener = self._listener(bind, self._wake)
+        side = [
+            asyncio.create_task(greenlet_spawn(self._run_periodic, t))
+            for t in self._side_tasks(bind)
+        ]
         if any(r.mode == "lease" for r in self._registrations):
             side.append(asyncio.create_task(greenlet_spawn(self._heartbeat)))
         tasks = [asyncio.create_task(greenlet_spawn(self._consume)) for _ in self._slots()]

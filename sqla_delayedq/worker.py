@@ -121,6 +121,8 @@ class Worker(BaseWorker[sessionmaker[Session]]):
         are released.
     :param hooks: metrics and logging hooks (:class:`WorkerHooks`).
     :param name: the worker's name in logs and thread names.
+    :param keep_statistics: on PostgreSQL, ``ANALYZE`` a queue table whose planner statistics
+        lag a burst (see :doc:`/operations`); False leaves them to autovacuum.
 
     Queues are :class:`~sqla_delayedq.DelayedQueue` or :class:`~sqla_delayedq.EntityQueue`
     objects; ``async def`` handlers belong on :class:`~sqla_delayedq.aio.AsyncWorker`.
@@ -150,10 +152,11 @@ class Worker(BaseWorker[sessionmaker[Session]]):
             rt.request_stop()
         for table in self._tables():
             self._cleanup.append(subscribe(table, self._wake))
-        listener = self._listener(self.sessions.kw.get("bind"), self._wake)
+        bind = self.sessions.kw.get("bind")
+        listener = self._listener(bind, self._wake)
         if listener is not None:
             self._cleanup.append(listener.stop)
-        for task in self._periodic:
+        for task in self._side_tasks(bind):
             self._spawn(lambda task=task: self._run_periodic(task), task.name)  # type: ignore[misc]
         for i in range(self.concurrency):
             self._spawn(self._consume, str(i))
