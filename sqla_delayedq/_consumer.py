@@ -28,7 +28,7 @@ from sqlalchemy.orm import Session
 
 from . import _planner, controls
 from . import _statements as st
-from ._dialects import Listener, is_transient, strategy_class
+from ._dialects import TAKE_ONLY, Listener, is_transient, strategy_class
 from ._leases import Ahead, LeasedQueue, Polled
 from ._types import Envelope, NackOutcome
 from ._wakeup import Wake
@@ -713,6 +713,7 @@ class BaseWorker(Generic[S]):
         """Up to ``n`` envelopes, and whether more is due now; when not, in the same
         transaction, when the next row is due."""
         with self.rt.session() as s, s.begin():
+            s.info[TAKE_ONLY] = True  # its commit need not wait for the WAL flush (PostgreSQL)
             polled = reg.source.poll_batch(s, n, lease=reg.lease)
             envs = polled.envelopes
             if polled.more:

@@ -54,6 +54,7 @@ from ._wakeup import parse as parse_wake
 from .errors import DelayedQueueError, TransientError, UnsupportedBackend
 
 __all__ = [
+    "TAKE_ONLY",
     "Claimed",
     "Listener",
     "NewRow",
@@ -66,6 +67,11 @@ __all__ = [
 ]
 
 log = logging.getLogger("sqla_delayedq.listener")
+
+#: ``session.info`` key a worker sets on a transaction that holds nothing but its lease-mode
+#: take: on PostgreSQL that commit need not wait for the WAL flush (``st.claim_returning``).
+#: A user's ``try_poll`` in a transaction of their own never has it.
+TAKE_ONLY = "sqla_delayedq.take_only"
 
 
 class NewRow(NamedTuple):
@@ -463,11 +469,12 @@ class PostgreSQLStrategy(Strategy):
         grouping: st.Grouping = None,
         boosted: bool = False,
     ) -> Claims:
+        relaxed = bool(session.info.get(TAKE_ONLY))
         stmt = self.cached(
             t,
-            f"claim:{grouping}:{boosted}",
+            f"claim:{grouping}:{boosted}:{relaxed}",
             lambda: st.claim_returning(
-                t, P.queue, P.now, P.until, P.limit, P.prefix, grouping, boosted
+                t, P.queue, P.now, P.until, P.limit, P.prefix, grouping, boosted, relaxed
             ),
         )
         rows = session.execute(stmt, P.take(queue, now, lease_until, limit, prefix)).all()

@@ -23,7 +23,15 @@ from sqlalchemy.orm import Session
 from . import _statements as st
 from . import controls as ctl
 from ._codec import error_text
-from ._dialects import Claimed, Claims, Strategy, is_transient, strategy_for, transient_as_ours
+from ._dialects import (
+    TAKE_ONLY,
+    Claimed,
+    Claims,
+    Strategy,
+    is_transient,
+    strategy_for,
+    transient_as_ours,
+)
 from ._handlers import call_sync_handler
 from ._rules import after_failure, lease_exhausted, lost_lease_error
 from ._time import Clock, require_aware, require_duration
@@ -170,6 +178,7 @@ class LeasedQueue(abc.ABC, Generic[T]):
         self, session: Session, strategy: Strategy, n: int, lease: timedelta
     ) -> Polled[T]:
         """A take of a paused or limited queue: at most what its controls admit now."""
+        session.info.pop(TAKE_ONLY, None)  # the controls' records must outlive a server crash
         table = self.shape.table.name
 
         def in_flight(now: datetime) -> int:

@@ -352,6 +352,7 @@ def claim_returning(
     prefix: Any,
     grouping: Grouping = None,
     boosted: bool = False,
+    relaxed: bool = False,
 ) -> Update:
     """PostgreSQL: pick with ``SKIP LOCKED`` and take in one statement.
 
@@ -360,6 +361,12 @@ def claim_returning(
     row more than it takes (released at the take's commit) and ``RETURNING`` says how many it
     found (``picked``): more than ``limit`` means more is due now, so the consumer knows whether
     to take again without an empty take to find out.
+
+    With ``relaxed`` the statement also turns ``synchronous_commit`` off for the rest of its
+    transaction (``set_config(..., true)``, no extra round trip): the take's commit does not
+    wait for the WAL flush. Only for a transaction that holds nothing but the take (see
+    ``_dialects.TAKE_ONLY``): a take lost to a server crash leaves the row as it was, to be taken
+    again, like an expired lease.
     """
     shape = message_shape(t)
     picked = (
@@ -392,7 +399,15 @@ def claim_returning(
         )
         .ordered_values(*take_values(shape, lease_until, prefix))
         .returning(
-            *columns(t, TAKE_COLUMNS), chosen.c.prev_token, chosen.c.prev_scheduled_at, found
+            *columns(t, TAKE_COLUMNS),
+            chosen.c.prev_token,
+            chosen.c.prev_scheduled_at,
+            found,
+            *(
+                [func.set_config("synchronous_commit", "off", true()).label("relaxed")]
+                if relaxed
+                else []
+            ),
         )
     )
 

@@ -791,3 +791,72 @@ def test_periodic_tasks_and_extra_hooks_run_with_the_worker(backend, make_worker
         assert wait_for(lambda: len(passes) >= 3 and len(extra.processed_) == 1, 10)
     assert stopped == [1]
     assert [p[1] for p in extra.processed_] == ["m"]
+
+
+# -- the lease take's commit (PostgreSQL) ---------------------------------------------------
+
+
+def _synchronous_commit(session: Session) -> str:
+    return str(session.execute(sa.text("SHOW synchronous_commit")).scalar_one())
+
+
+def test_only_a_take_only_transaction_commits_without_waiting_for_the_flush(pg, make_queue):
+    """A lease take the worker runs alone in its transaction turns ``synchronous_commit`` off
+    for that transaction (lost in a server crash, it is taken again, like an expired lease);
+    a user's take in a transaction of their own, an empty take and a limited queue's take
+    (whose controls record must last) keep the server's setting."""
+    from sqla_delayedq._dialects import TAKE_ONLY
+
+    q, limited = make_queue("q"), make_queue("limited")
+    with pg.Session() as s, s.begin():
+        q.offer_batch(s, [(f"k{i}", {}, None) for i in range(3)])
+        limited.offer(s, "k", {})
+        limited.set_limits(s, max_in_flight=5)
+    with pg.Session() as s, s.begin():
+        assert q.try_poll(s) is not None
+        assert _synchronous_commit(s) == "on"
+    with pg.Session() as s, s.begin():
+        s.info[TAKE_ONLY] = True
+        assert len(q.poll_batch(s, 1).envelopes) == 1
+        assert _synchronous_commit(s) == "off"
+    with pg.Session() as s, s.begin():
+        s.info[TAKE_ONLY] = True
+        assert make_queue("empty").poll_batch(s, 1).envelopes == []
+        assert _synchronous_commit(s) == "on"
+    with pg.Session() as s, s.begin():
+        s.info[TAKE_ONLY] = True
+        assert len(limited.poll_batch(s, 1).envelopes) == 1
+        assert _synchronous_commit(s) == "on"
+
+
+def test_a_lease_worker_relaxes_its_takes_commits_and_not_its_acks(pg):
+    """Every commit of a lease-mode worker, with the setting it ran under: the takes' are
+    relaxed, every acknowledgement waits for the flush, and every message is handled once."""
+    commits: list[tuple[str, str]] = []
+
+    def on_commit(conn: Any) -> None:
+        cursor = conn.connection.dbapi_connection.cursor()
+        cursor.execute("SHOW synchronous_commit")
+        setting = cursor.fetchone()[0]
+        commits.append((setting, threading.current_thread().name))
+
+    queue: DelayedQueue[Any] = DelayedQueue("q")
+    with pg.Session() as s, s.begin():
+        queue.offer_batch(s, [(f"k{i}", {"i": i}, None) for i in range(6)])
+    handled: list[str] = []
+    sa.event.listen(pg.engine, "commit", on_commit)
+    try:
+        worker = Worker(pg.Session, concurrency=1, poll_interval=0.2, keep_statistics=False)
+        worker.register(queue, lambda e: handled.append(e.key), mode="lease")
+        with running(worker):
+            deadline = time.monotonic() + 20
+            while len(handled) < 6 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            time.sleep(0.3)
+    finally:
+        sa.event.remove(pg.engine, "commit", on_commit)
+    assert sorted(handled) == [f"k{i}" for i in range(6)]
+    relaxed = [c for c in commits if c[0] == "off"]
+    durable = [c for c in commits if c[0] == "on"]
+    assert len(relaxed) == 6, commits  # one take per message
+    assert len(durable) >= 6, commits  # the acks (and the empty takes)
