@@ -23,6 +23,8 @@ from sqlalchemy import Table, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
+from ._dialects import is_transient
+
 __all__ = ["INTERVAL", "MIN_GAP", "MIN_ROWS", "StatisticsKeeper", "stale"]
 
 log = logging.getLogger("sqla_delayedq.worker")
@@ -70,9 +72,17 @@ class StatisticsKeeper:
 
     def __call__(self, sessions: Callable[[], Session]) -> None:
         for name in self.names:
-            if name not in self._refused:
+            if name in self._refused:
+                continue
+            try:
                 with sessions() as session, session.begin():
                     self._look(session, name)
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                # The database is away: the consumers report it; look again next time.
+                log.debug("%s: statistics not read: %s", name, exc)
+                return
 
     def _look(self, session: Session, name: str) -> None:
         row = session.execute(_LOOK, {"name": name}).first()

@@ -207,3 +207,21 @@ def test_the_asyncio_worker_runs_the_keeper_on_postgresql_only(pg_db, tmp_path):
     pg_url = pg_db.url.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
     assert asyncio.run(tasks(pg_url)) == ["planner statistics"]
     assert asyncio.run(tasks(f"sqlite+aiosqlite:///{tmp_path / 'q.sqlite'}")) == []
+
+
+def test_the_keeper_waits_out_a_database_outage_and_reports_a_bug():
+    from sqla_delayedq.errors import TransientError
+
+    keeper = StatisticsKeeper([T], lambda t: t.name)
+
+    def away():
+        raise TransientError("the server restarts")
+
+    keeper(away)  # said at debug level: the consumers report outages
+    assert keeper.analysed == {}
+
+    def broken():
+        raise RuntimeError("a bug")
+
+    with pytest.raises(RuntimeError):
+        keeper(broken)  # the worker's periodic runner logs it with its traceback
