@@ -22,20 +22,66 @@ scan (a recursive CTE that jumps from one queue to the next in the ``due`` index
 queues reads ten index entries, not a million. Due, scheduled and in-flight counts are read from
 ``scheduled_at`` and ``lock_token`` alone, as the library keeps them: ``scheduled_at`` is NULL for
 every message that is not pending.
+
+Exact counts cost as much as the backlog is long. **Bounded** counts (``at_most=N``) read, per
+queue and state, at most the first N+1 matching rows of an index range (:func:`bounded_stats_stmt`,
+one statement per hundred queues): due rows from the due range of ``ix_<table>_due`` (index-only, as the take reads
+it), scheduled rows from its range after ``now`` (the heap says which are in flight), rows in
+flight through ``ix_<table>_lock_token`` (whose entries with a token are the leases of every
+queue), and dead and done rows from the range without a schedule, which the two share: it is read
+once for both (N+1 rows), so when their sum passes N both are lower bounds. A count that stopped
+is reported as N, with its state in ``capped``. Each read is ordered as its index is, so the
+plan is a range scan that stops at the LIMIT; PostgreSQL may still read a range whole (a bitmap
+scan) when its statistics say the range is shorter than N, i.e. when they are older than the
+range.
+
+What a bound does not bound: index entries of rows deleted or updated since the oldest running
+transaction began (a pinned vacuum horizon) are in their range until vacuum removes them, and
+any read of that range walks them, bounded or exact, before it finds the live rows it counts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Table, case, func, literal_column, null, select, union_all
+from sqlalchemy import (
+    String,
+    Table,
+    and_,
+    case,
+    func,
+    literal,
+    literal_column,
+    null,
+    select,
+    union_all,
+)
+from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import Session
-from sqlalchemy.sql import Select
+from sqlalchemy.sql import ColumnElement, Select
+from sqlalchemy.sql.visitors import InternalTraversal
 
-__all__ = ["QueueStats", "list_queues", "queue_stats", "queues_stmt", "stats_stmt"]
+from . import _filters as flt
+from . import _statements as st
+from .errors import InvalidArgument
+
+__all__ = [
+    "STATES",
+    "QueueStats",
+    "bounded_stats_stmt",
+    "list_queues",
+    "queue_stats",
+    "queues_stmt",
+    "stats_stmt",
+]
+
+#: The states counted, in the order of :class:`QueueStats`' fields.
+STATES = ("due", "scheduled", "in_flight", "dead", "done")
+#: Queues per bounded statement (SQLite allows 500 selects in one compound statement).
+BOUNDED_QUEUES_PER_STATEMENT = 100
 
 
 @dataclass(frozen=True)
@@ -52,10 +98,17 @@ class QueueStats:
     oldest_due: datetime | None
     #: ``now - oldest_due`` in seconds; 0.0 when nothing is due.
     lag_seconds: float
+    #: The states whose count stopped at the read's ``at_most``: there are at least that many.
+    capped: frozenset[str] = field(default=frozenset(), kw_only=True)
 
     @property
     def pending(self) -> int:
         return self.due + self.scheduled + self.in_flight
+
+    @property
+    def exact(self) -> bool:
+        """Whether every count is exact (none was capped)."""
+        return not self.capped
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -68,6 +121,7 @@ class QueueStats:
             "pending": self.pending,
             "oldest_due": None if self.oldest_due is None else self.oldest_due.isoformat(),
             "lag_seconds": self.lag_seconds,
+            "capped": [state for state in STATES if state in self.capped],
         }
 
 
@@ -142,6 +196,81 @@ def stats_stmt(
     return select(u.c.part, u.c.queue, u.c.status, u.c.a, u.c.b, u.c.oldest)
 
 
+class UnscheduledOrder(ColumnElement[Any]):
+    """ORDER BY for the rows without a schedule of one queue, in the due index's order.
+
+    ``scheduled_at, id`` lets PostgreSQL read the range in index order and stop at the LIMIT
+    (without it, a bitmap scan reads the whole range first); MariaDB/MySQL take ``IS NULL`` for
+    no constant there and would sort the whole range, but stop early with ``id`` alone.
+    """
+
+    inherit_cache = True
+
+    def __init__(self, t: Table) -> None:
+        self.scheduled_at = t.c.scheduled_at
+        self.id = t.c.id
+
+    _traverse_internals = [
+        ("scheduled_at", InternalTraversal.dp_clauseelement),
+        ("id", InternalTraversal.dp_clauseelement),
+    ]
+
+
+@compiles(UnscheduledOrder)
+def _unscheduled_order(element: UnscheduledOrder, compiler: Any, **kw: Any) -> str:
+    return f"{compiler.process(element.scheduled_at, **kw)}, {compiler.process(element.id, **kw)}"
+
+
+@compiles(UnscheduledOrder, "mysql")
+@compiles(UnscheduledOrder, "mariadb")
+def _unscheduled_order_mysql(element: UnscheduledOrder, compiler: Any, **kw: Any) -> str:
+    return str(compiler.process(element.id, **kw))
+
+
+def bounded_stats_stmt(t: Table, queues: Sequence[str], now: datetime, at_most: int) -> Select[Any]:
+    """One row per queue, ``(queue, due, scheduled, in_flight, dead, done, oldest)``, each count
+    read through at most ``at_most + 1`` matching rows (see the module docstring).
+
+    ``dead`` and ``done`` count the same first ``at_most + 1`` rows without a schedule. ``oldest``
+    is the oldest due schedule (one probe of the due index), or None.
+    """
+    if not queues:
+        raise InvalidArgument("bounded_stats_stmt needs at least one queue")
+    shape = st.message_shape(t)
+    cap = at_most + 1
+
+    def first(cond: ColumnElement[bool], *order: Any, column: Any = t.c.id) -> Any:
+        # In the index's order: a range scan that stops after ``cap`` rows.
+        by = order or (t.c.scheduled_at, t.c.id)
+        return select(column).where(cond).order_by(*by).limit(cap).subquery()
+
+    def count(rows: Any, *where: Any) -> Any:
+        return select(func.count()).select_from(rows).where(*where).scalar_subquery()
+
+    def row(name: str) -> Select[Any]:
+        of_queue = t.c.queue == name
+        in_flight = and_(of_queue, flt.state_clause(t, "in_flight", now))
+        unscheduled = first(
+            and_(of_queue, t.c.scheduled_at.is_(None)), UnscheduledOrder(t), column=t.c.status
+        )
+        return select(
+            literal(name, String()).label("queue"),
+            # The take's filter (no status: a due row is pending by its schedule): index-only.
+            count(first(st.due_filter(shape, name, now))).label("due"),
+            count(first(and_(of_queue, flt.state_clause(t, "scheduled", now)))).label("scheduled"),
+            count(first(in_flight, t.c.lock_token)).label("in_flight"),
+            count(unscheduled, unscheduled.c.status == "dead").label("dead"),
+            count(unscheduled, unscheduled.c.status == "done").label("done"),
+            st.oldest_due(shape, name, now).scalar_subquery().label("oldest"),
+        )
+
+    rows = [row(name) for name in queues]
+    if len(rows) == 1:
+        return rows[0]
+    u = union_all(*rows).subquery("per_queue")
+    return select(*u.c)
+
+
 def queue_stats(
     session: Session,
     t: Table,
@@ -149,50 +278,102 @@ def queue_stats(
     queues: Sequence[str] | None = None,
     *,
     include_missing: bool = False,
+    at_most: int | None = None,
 ) -> list[QueueStats]:
     """Counts and lag of ``queues`` (every queue in the table when None), sorted by name.
 
     A queue with no rows is left out unless ``include_missing``, which reports it with zeros.
+    Exact by default; with ``at_most``, each count reads at most ``at_most + 1`` rows and a
+    count that stopped is reported as ``at_most`` with its state in ``QueueStats.capped``.
     """
+    if at_most is not None and at_most < 1:
+        raise InvalidArgument(f"at_most must be >= 1 (or None for exact counts), got {at_most}")
     names = list_queues(session, t) if queues is None else sorted(set(queues))
     if not names:
         return []
-    raw: dict[str, dict[str, Any]] = {}
-
-    def entry(name: str) -> dict[str, Any]:
-        return raw.setdefault(
-            name, {"due": 0, "later": 0, "in_flight": 0, "dead": 0, "done": 0, "oldest": None}
-        )
-
-    stmt = stats_stmt(t, names, now, every=queues is None)
-    for part, name, status, a, b, oldest in session.execute(stmt):
-        e = entry(str(name))
-        if part == 1:
-            e["due"], e["later"], e["oldest"] = int(a or 0), int(b or 0), oldest
-        elif part == 2:
-            e["in_flight"] = int(a or 0)
-        elif status in ("dead", "done"):
-            e[status] = int(a or 0)
+    if at_most is None:
+        raw = _exact(session, t, now, names, every=queues is None)
+    else:
+        raw = _bounded(session, t, now, names, at_most)
     result = []
     for name in names:
-        if name not in raw and not include_missing:
-            continue
-        e = entry(name)
-        first: datetime | None = e["oldest"]
+        e = raw.get(name)
+        if e is None:
+            if not include_missing:
+                continue
+            e = _Raw()
+        first = e.oldest
         oldest_due = first if first is not None and first <= now else None
-        in_flight = min(e["in_flight"], e["later"])
         result.append(
             QueueStats(
                 queue=name,
-                due=e["due"],
-                scheduled=e["later"] - in_flight,
-                in_flight=in_flight,
-                dead=e["dead"],
-                done=e["done"],
+                due=e.due,
+                scheduled=e.scheduled,
+                in_flight=e.in_flight,
+                dead=e.dead,
+                done=e.done,
                 oldest_due=oldest_due,
                 lag_seconds=0.0
                 if oldest_due is None
                 else max(0.0, (now - oldest_due).total_seconds()),
+                capped=frozenset(e.capped),
             )
         )
     return result
+
+
+@dataclass
+class _Raw:
+    """One queue's counts as read, before they become a :class:`QueueStats`."""
+
+    due: int = 0
+    scheduled: int = 0
+    in_flight: int = 0
+    dead: int = 0
+    done: int = 0
+    oldest: datetime | None = None
+    capped: set[str] = field(default_factory=set)
+
+
+def _exact(
+    session: Session, t: Table, now: datetime, names: list[str], *, every: bool
+) -> dict[str, _Raw]:
+    """Decode :func:`stats_stmt`: "scheduled" is the later rows minus those in flight."""
+    raw: dict[str, _Raw] = {}
+    later: dict[str, int] = {}
+    for part, name, status, a, b, oldest in session.execute(stats_stmt(t, names, now, every=every)):
+        e = raw.setdefault(str(name), _Raw())
+        if part == 1:
+            e.due, later[str(name)], e.oldest = int(a or 0), int(b or 0), oldest
+        elif part == 2:
+            e.in_flight = int(a or 0)
+        elif status in ("dead", "done"):
+            setattr(e, status, int(a or 0))
+    for name, e in raw.items():
+        e.in_flight = min(e.in_flight, later.get(name, 0))
+        e.scheduled = later.get(name, 0) - e.in_flight
+    return raw
+
+
+def _bounded(
+    session: Session, t: Table, now: datetime, names: list[str], at_most: int
+) -> dict[str, _Raw]:
+    """Decode :func:`bounded_stats_stmt`, one statement per hundred queues; a queue whose
+    counts are all zero has no rows (every row is in one of the states)."""
+    raw: dict[str, _Raw] = {}
+    step = BOUNDED_QUEUES_PER_STATEMENT
+    for i in range(0, len(names), step):
+        stmt = bounded_stats_stmt(t, names[i : i + step], now, at_most)
+        for name, *counts, oldest in session.execute(stmt):
+            read = dict(zip(STATES, (int(n or 0) for n in counts), strict=True))
+            if not any(read.values()):
+                continue
+            e = raw[str(name)] = _Raw(oldest=oldest)
+            for state in ("due", "scheduled", "in_flight"):
+                if read[state] > at_most:
+                    e.capped.add(state)
+            if read["dead"] + read["done"] > at_most:
+                e.capped.update(("dead", "done"))
+            for state, n in read.items():
+                setattr(e, state, min(n, at_most))
+    return raw

@@ -230,6 +230,7 @@ def test_stats_of_an_unknown_queue_fails_unless_missing_ok(backend: Backend, run
             "pending": 0,
             "oldest_due": None,
             "lag_seconds": 0.0,
+            "capped": [],
         }
     ]
 

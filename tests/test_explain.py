@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import re
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import cast
 
+import psycopg.sql
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import asyncpg
 
 from sqla_delayedq import DelayedMessage, DelayedQueue
 from sqla_delayedq import _statements as st
+from sqla_delayedq._cli_stats import bounded_stats_stmt
 
 T = cast(sa.Table, DelayedMessage.__table__)
 
@@ -259,3 +262,163 @@ def test_the_group_probe_reads_the_group_index_on_a_table_analysed_when_empty(pg
             probe = plan.split("SubPlan 1\n")[1]
             assert "ix_delayed_queue_group" in probe, plan
             assert "ix_delayed_queue_due" not in probe, plan
+
+
+# -- bounded depth: each count reads at most at_most + 1 rows of its index range (issue 19) -------
+
+CAP = 100
+IN_FLIGHT = 40
+
+
+def fill_depth(conn) -> None:
+    """Queue ``q``: 3,000 due, 3,000 scheduled, 40 in flight, 500 dead and 500 done; queue
+    ``other`` beside it (3,000 due, 40 in flight), so a read that left its range would show."""
+    for queue in ("q", "other"):
+        conn.exec_driver_sql(
+            "INSERT INTO delayed_queue (queue, key, payload_type, payload, status, scheduled_at,"
+            " scheduled_at_initially, created_at, lock_token, attempts)"
+            " SELECT %(q)s::text, 'k' || g, 'json', '{}',"
+            " CASE WHEN g <= 6000 OR g > 7000 THEN 'pending' WHEN g <= 6500 THEN 'dead'"
+            "  ELSE 'done' END,"
+            " CASE WHEN g <= 3000 THEN now() - g * interval '1 second'"
+            "  WHEN g <= 6000 THEN now() + g * interval '1 second' WHEN g <= 7000 THEN NULL"
+            "  ELSE now() + interval '1 minute' END,"
+            " now(), now(), CASE WHEN g > 7000 THEN 'lease.' || %(q)s::text || g END, 1"
+            " FROM generate_series(1, %(n)s) g",
+            {"q": queue, "n": 7000 + IN_FLIGHT if queue == "q" else 3000},
+        )
+    conn.exec_driver_sql(
+        "INSERT INTO delayed_queue (queue, key, payload_type, payload, status, scheduled_at,"
+        " scheduled_at_initially, created_at, lock_token, attempts)"
+        " SELECT 'other', 'f' || g, 'json', '{}', 'pending', now() + interval '1 minute', now(),"
+        " now(), 'lease.other' || g, 1 FROM generate_series(1, %(n)s) g",
+        {"n": IN_FLIGHT},
+    )
+
+
+def scans(node: dict) -> list[dict]:
+    """The plan's scans of the message table."""
+    found = [node] if node.get("Relation Name") == "delayed_queue" else []
+    for child in node.get("Plans", []):
+        found.extend(scans(child))
+    return found
+
+
+def index_of(scan: dict) -> str | None:
+    """The index a scan reads (None for a sequential scan)."""
+    if scan["Node Type"] == "Bitmap Heap Scan" and len(scan["Plans"]) == 1:
+        return scan["Plans"][0].get("Index Name")
+    return scan.get("Index Name")
+
+
+def assert_each_read_stops_at_the_cap(plan: dict) -> None:
+    """Range scans in index order that stop: due rows, scheduled rows (past the rows in flight
+    among them, which the heap check filters out), rows without a schedule (twice: dead, then
+    done), each at most CAP + 1; the oldest due probe reads one. The leases come from the
+    lock-token index, which holds the leases of every queue and nothing else (80 here, fewer
+    than the cap, so the planner may take them all with a bitmap scan of that index)."""
+    ranges: dict[str, list[int]] = {}
+    for s in scans(plan["Plan"]):
+        index = index_of(s)
+        read = s["Actual Rows"] + s.get("Rows Removed by Filter", 0)
+        cond = s.get("Index Cond", "")
+        if index == "ix_delayed_queue_lock_token":
+            assert s["Node Type"] in ("Index Scan", "Bitmap Heap Scan"), (s, plan)
+            ranges.setdefault("leases", []).append(read)
+            continue
+        assert index == "ix_delayed_queue_due", (s, plan)
+        assert s["Node Type"] in ("Index Scan", "Index Only Scan"), (s, plan)
+        if "IS NOT NULL" in cond:
+            key = "oldest due"
+        elif "IS NULL" in cond:
+            key = "no schedule"
+        elif "scheduled_at <=" in cond:
+            key = "due"
+        else:
+            assert "scheduled_at >" in cond, (s, plan)
+            key = "scheduled"
+        ranges.setdefault(key, []).append(read)
+    assert ranges == {
+        "due": [CAP + 1],
+        "scheduled": [CAP + 1 + IN_FLIGHT],
+        "leases": [2 * IN_FLIGHT],
+        "no schedule": [CAP + 1, CAP + 1],
+        "oldest due": [1],
+    }, (ranges, plan)
+
+
+def explain_analyze(conn, stmt) -> dict:
+    compiled = stmt.compile(dialect=conn.dialect)
+    sql = "EXPLAIN (ANALYZE, FORMAT JSON) " + compiled.string
+    (doc,) = conn.exec_driver_sql(sql, compiled.params).scalar_one()
+    return doc
+
+
+def test_a_bounded_count_reads_at_most_cap_plus_one_rows_of_each_range(pg):
+    """Analysed after the fill: each subquery is a range scan in index order that stops at the
+    LIMIT. (On statistics much older than the table, e.g. taken while it was empty, PostgreSQL
+    may read a range whole with a bitmap scan, as an exact count does.)"""
+    with pg.engine.begin() as conn:
+        fill_depth(conn)
+    with pg.engine.begin() as conn:
+        conn.exec_driver_sql("ANALYZE delayed_queue")
+    stmt = bounded_stats_stmt(T, ["q"], datetime.now(timezone.utc), CAP)
+    with pg.engine.connect() as conn:
+        assert_each_read_stops_at_the_cap(explain_analyze(conn, stmt))
+
+
+def test_a_bounded_count_stops_at_the_cap_under_a_generic_plan(pg):
+    """psycopg prepares a statement run five times on a connection (an exporter's), and
+    PostgreSQL may then plan it once for any parameters: the reads still stop at the cap."""
+    with pg.engine.begin() as conn:
+        fill_depth(conn)
+    with pg.engine.begin() as conn:
+        conn.exec_driver_sql("ANALYZE delayed_queue")
+    stmt = bounded_stats_stmt(T, ["q"], datetime.now(timezone.utc), CAP)
+    compiled = stmt.compile(dialect=asyncpg.dialect())  # $1, $2, ... placeholders
+    with pg.engine.connect() as conn:
+        raw = conn.connection.driver_connection
+        values = [compiled.params[name] for name in compiled.positiontup]
+        args = ", ".join(psycopg.sql.Literal(v).as_string(raw) for v in values)
+        conn.exec_driver_sql("SET plan_cache_mode = force_generic_plan")
+        conn.exec_driver_sql("PREPARE bounded_depth AS " + compiled.string)
+        sql = f"EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE bounded_depth({args})"
+        (plan,) = conn.exec_driver_sql(sql).scalar_one()
+        generic = conn.exec_driver_sql(
+            "SELECT generic_plans FROM pg_prepared_statements WHERE name = 'bounded_depth'"
+        ).scalar_one()
+        conn.exec_driver_sql("DEALLOCATE bounded_depth")
+        conn.exec_driver_sql("RESET plan_cache_mode")
+    assert generic == 1
+    assert_each_read_stops_at_the_cap(plan)
+
+
+def test_a_bounded_count_stops_at_the_cap_on_mariadb(mariadb):
+    """MariaDB reads each range in index order and stops (``ANALYZE`` counts the rows read): the
+    rows without a schedule are ordered by id there, since it would sort the whole range for
+    ``scheduled_at, id`` (``IS NULL`` is no constant for its ORDER BY)."""
+    now = datetime.now(timezone.utc)
+    q = DelayedQueue[dict]("q")
+    with mariadb.Session() as s, s.begin():
+        q.offer_batch(s, [(f"d{i}", {}, now - timedelta(seconds=i + 1)) for i in range(1000)])
+        q.offer_batch(s, [(f"s{i}", {}, now + timedelta(seconds=i + 1)) for i in range(1000)])
+        q.offer_batch(s, [(f"x{i}", {}, now - timedelta(hours=1)) for i in range(1000)])
+    with mariadb.engine.begin() as conn:
+        conn.execute(
+            sa.update(T).where(T.c.key.like("x%")).values(status="dead", scheduled_at=None)
+        )
+        conn.exec_driver_sql("ANALYZE TABLE delayed_queue")
+    compiled = bounded_stats_stmt(T, ["q"], now, CAP).compile(dialect=mariadb.engine.dialect)
+    # As DateTimeUTC stores them there: naive UTC.
+    params = {
+        k: v.replace(tzinfo=None) if isinstance(v, datetime) else v
+        for k, v in compiled.params.items()
+    }
+    with mariadb.engine.connect() as conn:
+        doc = conn.exec_driver_sql("ANALYZE FORMAT=JSON " + compiled.string, params).scalar_one()
+    reads = [int(r) for r in re.findall(r'"r_rows": ([0-9.]+)', doc)]
+    assert "filesort" not in doc, doc
+    # Each count's subquery reads at most CAP + 1 rows of the table (and its derived table
+    # holds as many); no lease, so the lock-token read finds none; the oldest due probe is
+    # answered from the index alone.
+    assert reads and max(reads) == CAP + 1, doc
