@@ -23,17 +23,19 @@ queues reads ten index entries, not a million. Due, scheduled and in-flight coun
 ``scheduled_at`` and ``lock_token`` alone, as the library keeps them: ``scheduled_at`` is NULL for
 every message that is not pending.
 
-Exact counts cost as much as the backlog is long. **Bounded** counts (``at_most=N``) read, per
-queue and state, at most the first N+1 matching rows of an index range (:func:`bounded_stats_stmt`,
-one statement per hundred queues): due rows from the due range of ``ix_<table>_due`` (index-only, as the take reads
-it), scheduled rows from its range after ``now`` (the heap says which are in flight), rows in
-flight through ``ix_<table>_lock_token`` (whose entries with a token are the leases of every
-queue), and dead and done rows from the range without a schedule, which the two share: it is read
-once for both (N+1 rows), so when their sum passes N both are lower bounds. A count that stopped
-is reported as N, with its state in ``capped``. Each read is ordered as its index is, so the
-plan is a range scan that stops at the LIMIT; PostgreSQL may still read a range whole (a bitmap
-scan) when its statistics say the range is shorter than N, i.e. when they are older than the
-range.
+Exact counts cost as much as the backlog is long. **Bounded** counts (``at_most=N``,
+:func:`bounded_stats_stmt`) read, per queue and state, at most the first N+1 matching rows of an
+index range: due rows from the due range of ``ix_<table>_due`` (index-only, as the take reads it;
+the first of them is the oldest due schedule, the lag), scheduled rows from its range after
+``now`` (the heap says which are in flight), rows in flight through ``ix_<table>_lock_token``
+(whose entries with a token are the leases of every queue), and dead and done rows from the
+range without a schedule, which the two share: it is read once for both (N+1 rows), so when
+their sum passes N both are lower bounds. A count that stopped is reported as N, with its state
+in ``capped``. Each read is ordered as its index is, so the plan is a range scan that stops at
+the LIMIT; PostgreSQL may still read a range whole (a bitmap scan) when its statistics say the
+range is shorter than N, i.e. when they are older than the range. One statement per hundred
+queues; one per queue on PostgreSQL, whose JIT would compile several queues' reads for longer
+than they take (see ``PostgreSQLStrategy.queues_per_bounded_stats``).
 
 What a bound does not bound: index entries of rows deleted or updated since the oldest running
 transaction began (a pinned vacuum horizon) are in their range until vacuum removes them, and
@@ -57,6 +59,7 @@ from sqlalchemy import (
     literal_column,
     null,
     select,
+    true,
     union_all,
 )
 from sqlalchemy.ext.compiler import compiles
@@ -66,6 +69,7 @@ from sqlalchemy.sql.visitors import InternalTraversal
 
 from . import _filters as flt
 from . import _statements as st
+from ._dialects import strategy_class
 from .errors import InvalidArgument
 
 __all__ = [
@@ -80,8 +84,6 @@ __all__ = [
 
 #: The states counted, in the order of :class:`QueueStats`' fields.
 STATES = ("due", "scheduled", "in_flight", "dead", "done")
-#: Queues per bounded statement (SQLite allows 500 selects in one compound statement).
-BOUNDED_QUEUES_PER_STATEMENT = 100
 
 
 @dataclass(frozen=True)
@@ -231,8 +233,8 @@ def bounded_stats_stmt(t: Table, queues: Sequence[str], now: datetime, at_most: 
     """One row per queue, ``(queue, due, scheduled, in_flight, dead, done, oldest)``, each count
     read through at most ``at_most + 1`` matching rows (see the module docstring).
 
-    ``dead`` and ``done`` count the same first ``at_most + 1`` rows without a schedule. ``oldest``
-    is the oldest due schedule (one probe of the due index), or None.
+    Each range is read once: ``oldest`` (the oldest due schedule, or None) comes from the due
+    rows read for ``due``, and ``dead`` and ``done`` from the same rows without a schedule.
     """
     if not queues:
         raise InvalidArgument("bounded_stats_stmt needs at least one queue")
@@ -244,25 +246,37 @@ def bounded_stats_stmt(t: Table, queues: Sequence[str], now: datetime, at_most: 
         by = order or (t.c.scheduled_at, t.c.id)
         return select(column).where(cond).order_by(*by).limit(cap).subquery()
 
-    def count(rows: Any, *where: Any) -> Any:
-        return select(func.count()).select_from(rows).where(*where).scalar_subquery()
+    def count(rows: Any) -> Any:
+        return select(func.count()).select_from(rows).scalar_subquery()
+
+    def of_status(rows: Any, status: str) -> Any:
+        return func.coalesce(func.sum(case((rows.c.status == status, 1), else_=0)), 0)
 
     def row(name: str) -> Select[Any]:
         of_queue = t.c.queue == name
-        in_flight = and_(of_queue, flt.state_clause(t, "in_flight", now))
-        unscheduled = first(
+        # The take's filter (no status: a due row is pending by its schedule): index-only.
+        due_rows = first(st.due_filter(shape, name, now), column=t.c.scheduled_at)
+        due = select(
+            func.count().label("n"), func.min(due_rows.c.scheduled_at).label("oldest")
+        ).subquery()
+        no_schedule = first(
             and_(of_queue, t.c.scheduled_at.is_(None)), UnscheduledOrder(t), column=t.c.status
         )
+        unscheduled = select(
+            of_status(no_schedule, "dead").label("dead"),
+            of_status(no_schedule, "done").label("done"),
+        ).subquery()
+        scheduled = and_(of_queue, flt.state_clause(t, "scheduled", now))
+        in_flight = and_(of_queue, flt.state_clause(t, "in_flight", now))
         return select(
             literal(name, String()).label("queue"),
-            # The take's filter (no status: a due row is pending by its schedule): index-only.
-            count(first(st.due_filter(shape, name, now))).label("due"),
-            count(first(and_(of_queue, flt.state_clause(t, "scheduled", now)))).label("scheduled"),
+            due.c.n.label("due"),
+            count(first(scheduled)).label("scheduled"),
             count(first(in_flight, t.c.lock_token)).label("in_flight"),
-            count(unscheduled, unscheduled.c.status == "dead").label("dead"),
-            count(unscheduled, unscheduled.c.status == "done").label("done"),
-            st.oldest_due(shape, name, now).scalar_subquery().label("oldest"),
-        )
+            unscheduled.c.dead,
+            unscheduled.c.done,
+            due.c.oldest,
+        ).select_from(due.join(unscheduled, true()))
 
     rows = [row(name) for name in queues]
     if len(rows) == 1:
@@ -358,10 +372,11 @@ def _exact(
 def _bounded(
     session: Session, t: Table, now: datetime, names: list[str], at_most: int
 ) -> dict[str, _Raw]:
-    """Decode :func:`bounded_stats_stmt`, one statement per hundred queues; a queue whose
-    counts are all zero has no rows (every row is in one of the states)."""
+    """Decode :func:`bounded_stats_stmt`, one statement per hundred queues (per queue on
+    PostgreSQL: see ``PostgreSQLStrategy``); a queue whose counts are all zero has no rows
+    (every row is in one of the states)."""
     raw: dict[str, _Raw] = {}
-    step = BOUNDED_QUEUES_PER_STATEMENT
+    step = strategy_class(session.get_bind().dialect).queues_per_bounded_stats
     for i in range(0, len(names), step):
         stmt = bounded_stats_stmt(t, names[i : i + step], now, at_most)
         for name, *counts, oldest in session.execute(stmt):
