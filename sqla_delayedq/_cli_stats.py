@@ -24,18 +24,22 @@ queues reads ten index entries, not a million. Due, scheduled and in-flight coun
 every message that is not pending.
 
 Exact counts cost as much as the backlog is long. **Bounded** counts (``at_most=N``,
-:func:`bounded_stats_stmt`) read, per queue and state, at most the first N+1 matching rows of an
-index range: due rows from the due range of ``ix_<table>_due`` (index-only, as the take reads it;
-the first of them is the oldest due schedule, the lag), scheduled rows from its range after
-``now`` (the heap says which are in flight), rows in flight through ``ix_<table>_lock_token``
-(whose entries with a token are the leases of every queue), and dead and done rows from the
-range without a schedule, which the two share: it is read once for both (N+1 rows), so when
-their sum passes N both are lower bounds. A count that stopped is reported as N, with its state
-in ``capped``. Each read is ordered as its index is, so the plan is a range scan that stops at
-the LIMIT; PostgreSQL may still read a range whole (a bitmap scan) when its statistics say the
-range is shorter than N, i.e. when they are older than the range. One statement per hundred
-queues; one per queue on PostgreSQL, whose JIT would compile several queues' reads for longer
-than they take (see ``PostgreSQLStrategy.queues_per_bounded_stats``).
+:func:`bounded_stats_stmt`) read, per queue, at most the first N+1 matching rows of each range of
+``ix_<table>_due``: the due rows (index-only, as the take reads them; the first of them is the
+oldest due schedule, the lag), the scheduled rows after ``now`` (the heap says which are in
+flight), and the rows without a schedule, which dead and done share: that range is read once for
+both (N+1 rows), so when their sum passes N both are lower bounds. A count that stopped is
+reported as N, with its state in ``capped``. Messages in flight come from one read of at most
+N+1 leases of ``ix_<table>_lock_token`` (its entries with a token), for every queue of the table
+at once: there are as many as the consumers hold, whatever the backlog; with more than N, every
+queue's count in flight is a lower bound.
+
+Each range is read in its index's order, so the plan is a range scan that stops at the LIMIT
+when PostgreSQL expects the range to be much longer than N; when it expects a range about as
+long as N or shorter (statistics older than the range included), it may read the range whole
+with a bitmap scan instead, which costs what the exact count of that range does. One statement
+per hundred queues; one per queue on PostgreSQL, whose JIT would compile several queues' reads
+for longer than they take (see ``PostgreSQLStrategy.queues_per_bounded_stats``).
 
 What a bound does not bound: index entries of rows deleted or updated since the oldest running
 transaction began (a pinned vacuum horizon) are in their range until vacuum removes them, and
@@ -50,10 +54,12 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
     String,
     Table,
     and_,
     case,
+    cast,
     func,
     literal,
     literal_column,
@@ -229,12 +235,17 @@ def _unscheduled_order_mysql(element: UnscheduledOrder, compiler: Any, **kw: Any
     return str(compiler.process(element.id, **kw))
 
 
-def bounded_stats_stmt(t: Table, queues: Sequence[str], now: datetime, at_most: int) -> Select[Any]:
-    """One row per queue, ``(queue, due, scheduled, in_flight, dead, done, oldest)``, each count
-    read through at most ``at_most + 1`` matching rows (see the module docstring).
+def bounded_stats_stmt(
+    t: Table, queues: Sequence[str], now: datetime, at_most: int, *, in_flight: bool = True
+) -> Select[Any]:
+    """Rows ``(queue, due, scheduled, in_flight, dead, done, oldest)``: one per queue of
+    ``queues``, with ``in_flight`` NULL and the other counts each read through at most
+    ``at_most + 1`` matching rows; with ``in_flight``, also one per queue of the table that has
+    messages in flight, with only ``in_flight`` set (see the module docstring).
 
     Each range is read once: ``oldest`` (the oldest due schedule, or None) comes from the due
-    rows read for ``due``, and ``dead`` and ``done`` from the same rows without a schedule.
+    rows read for ``due``, and ``dead`` and ``done`` from the same rows without a schedule; the
+    counts in flight from one read of at most ``at_most + 1`` leases, for every queue at once.
     """
     if not queues:
         raise InvalidArgument("bounded_stats_stmt needs at least one queue")
@@ -245,9 +256,6 @@ def bounded_stats_stmt(t: Table, queues: Sequence[str], now: datetime, at_most: 
         # In the index's order: a range scan that stops after ``cap`` rows.
         by = order or (t.c.scheduled_at, t.c.id)
         return select(column).where(cond).order_by(*by).limit(cap).subquery()
-
-    def count(rows: Any) -> Any:
-        return select(func.count()).select_from(rows).scalar_subquery()
 
     def of_status(rows: Any, status: str) -> Any:
         return func.coalesce(func.sum(case((rows.c.status == status, 1), else_=0)), 0)
@@ -266,22 +274,31 @@ def bounded_stats_stmt(t: Table, queues: Sequence[str], now: datetime, at_most: 
             of_status(no_schedule, "dead").label("dead"),
             of_status(no_schedule, "done").label("done"),
         ).subquery()
-        scheduled = and_(of_queue, flt.state_clause(t, "scheduled", now))
-        in_flight = and_(of_queue, flt.state_clause(t, "in_flight", now))
+        scheduled = first(and_(of_queue, flt.state_clause(t, "scheduled", now)))
         return select(
             literal(name, String()).label("queue"),
             due.c.n.label("due"),
-            count(first(scheduled)).label("scheduled"),
-            count(first(in_flight, t.c.lock_token)).label("in_flight"),
+            select(func.count()).select_from(scheduled).scalar_subquery().label("scheduled"),
+            cast(null(), BigInteger()).label("in_flight"),  # typed: PostgreSQL's UNION
             unscheduled.c.dead,
             unscheduled.c.done,
             due.c.oldest,
         ).select_from(due.join(unscheduled, true()))
 
-    rows = [row(name) for name in queues]
-    if len(rows) == 1:
-        return rows[0]
-    u = union_all(*rows).subquery("per_queue")
+    parts = [row(name) for name in queues]
+    if in_flight:
+        # The leases of every queue (as many as the consumers hold, whatever the backlog), in
+        # the lock-token index's order: one read for all queues. A condition on the queue, or
+        # a GROUP BY over the table, would let a planner read the due index instead.
+        leases = first(flt.state_clause(t, "in_flight", now), t.c.lock_token, column=t.c.queue)
+        parts.append(
+            select(leases.c.queue, null(), null(), func.count(), null(), null(), null())
+            .select_from(leases)
+            .group_by(leases.c.queue)
+        )
+    if len(parts) == 1:
+        return parts[0]
+    u = union_all(*parts).subquery("per_queue")
     return select(*u.c)
 
 
@@ -373,22 +390,36 @@ def _bounded(
     session: Session, t: Table, now: datetime, names: list[str], at_most: int
 ) -> dict[str, _Raw]:
     """Decode :func:`bounded_stats_stmt`, one statement per hundred queues (per queue on
-    PostgreSQL: see ``PostgreSQLStrategy``); a queue whose counts are all zero has no rows
-    (every row is in one of the states)."""
-    raw: dict[str, _Raw] = {}
+    PostgreSQL: see ``PostgreSQLStrategy``), the first also counting the messages in flight;
+    a queue whose counts are all zero has no rows (every row is in one of the states) unless
+    there were more leases than the read took."""
+    read: dict[str, dict[str, Any]] = {name: {"oldest": None} for name in names}
+    leases = 0
     step = strategy_class(session.get_bind().dialect).queues_per_bounded_stats
     for i in range(0, len(names), step):
-        stmt = bounded_stats_stmt(t, names[i : i + step], now, at_most)
-        for name, *counts, oldest in session.execute(stmt):
-            read = dict(zip(STATES, (int(n or 0) for n in counts), strict=True))
-            if not any(read.values()):
-                continue
-            e = raw[str(name)] = _Raw(oldest=oldest)
-            for state in ("due", "scheduled", "in_flight"):
-                if read[state] > at_most:
-                    e.capped.add(state)
-            if read["dead"] + read["done"] > at_most:
-                e.capped.update(("dead", "done"))
-            for state, n in read.items():
-                setattr(e, state, min(n, at_most))
+        stmt = bounded_stats_stmt(t, names[i : i + step], now, at_most, in_flight=i == 0)
+        for name, due, scheduled, in_flight, dead, done, oldest in session.execute(stmt):
+            if due is None:
+                leases += int(in_flight)
+                if str(name) in read:
+                    read[str(name)]["in_flight"] = int(in_flight)
+            else:
+                r = read[str(name)]
+                r.update(due=int(due), scheduled=int(scheduled), dead=int(dead), done=int(done))
+                r["oldest"] = oldest
+    raw: dict[str, _Raw] = {}
+    for name, r in read.items():
+        counts = {state: r.get(state, 0) for state in STATES}
+        if not any(counts.values()) and leases <= at_most:
+            continue  # no row: (with more leases than read, it may hold one of those)
+        e = raw[name] = _Raw(oldest=r["oldest"])
+        for state in ("due", "scheduled"):
+            if counts[state] > at_most:
+                e.capped.add(state)
+        if leases > at_most:  # the leases of all queues were read together
+            e.capped.add("in_flight")
+        if counts["dead"] + counts["done"] > at_most:
+            e.capped.update(("dead", "done"))
+        for state, n in counts.items():
+            setattr(e, state, min(n, at_most))
     return raw

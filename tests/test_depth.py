@@ -2,7 +2,8 @@
 
 On every backend: below the cap a bounded read equals the exact one; above it each count stops
 at the cap and says so (``capped``); dead and done share one read and are capped together; the
-exact read is unchanged by default; one statement per read. The plans are in
+leases of every queue are read together; the exact read is unchanged by default; one statement
+per read (per queue on PostgreSQL). The plans are in
 ``test_explain.py``.
 """
 
@@ -98,6 +99,26 @@ def test_a_count_above_the_cap_stops_there_and_says_so(
     assert three == QueueCounts(3, 3, 3, 3, 0, capped=frozenset(stats.STATES))
 
 
+def test_the_leases_of_every_queue_are_read_together(
+    backend: Backend, make_queue: MakeQueue, clock: FakeClock
+) -> None:
+    """One read of at most at_most + 1 leases serves every queue: 3 + 3 in flight with
+    at_most=4 caps both queues' counts in flight, each a lower bound."""
+    a, b = make_queue("a"), make_queue("b")
+    for q in (a, b):
+        with backend.Session() as s, s.begin():
+            q.offer_batch(s, [(f"k{i}", {}, clock() - timedelta(seconds=1)) for i in range(3)])
+        with backend.Session() as s, s.begin():
+            assert len(q.try_poll_many(s, 3, lease=timedelta(hours=1))) == 3
+    with backend.Session() as s:
+        assert a.counts(s, at_most=6) == QueueCounts(0, 0, 3, 0, 0)
+        capped = [q.counts(s, at_most=4) for q in (a, b)]
+        both = stats.queue_stats(s, T, clock(), ["a", "b"], at_most=4)
+    assert all(c.capped == {"in_flight"} and c.in_flight <= 3 for c in capped)
+    assert [(q.capped, q.in_flight <= 3) for q in both] == [(frozenset({"in_flight"}), True)] * 2
+    assert sum(q.in_flight for q in both) == 5  # the first five leases, by token
+
+
 def test_dead_and_done_are_capped_together(
     backend: Backend, make_queue: MakeQueue, clock: FakeClock
 ) -> None:
@@ -128,12 +149,13 @@ def test_bounded_stats_keep_the_lag_and_report_every_queue(
     fill(backend, one_attempt(make_queue), clock)
     with backend.Session() as s, s.begin():
         make_queue("other").offer(s, "x", {}, clock() - timedelta(seconds=3))
+    names = ["depth", "other", "idle"]
     with backend.Session() as s:
-        exact = stats.queue_stats(s, T, clock(), ["depth", "other", "idle"], include_missing=True)
-        bounded = stats.queue_stats(
-            s, T, clock(), ["depth", "other", "idle"], include_missing=True, at_most=2
-        )
-        left_out = stats.queue_stats(s, T, clock(), ["idle"], at_most=2)
+        exact = stats.queue_stats(s, T, clock(), names, include_missing=True)
+        bounded = stats.queue_stats(s, T, clock(), names, include_missing=True, at_most=5)
+        left_out = stats.queue_stats(s, T, clock(), ["idle"], at_most=5)
+        # 5 leases in the table, 2 read: any queue may hold the others, "idle" included.
+        unsure = stats.queue_stats(s, T, clock(), ["idle"], at_most=1)
     assert [b.queue for b in bounded] == ["depth", "idle", "other"]
     assert [(b.oldest_due, b.lag_seconds) for b in bounded] == [
         (e.oldest_due, e.lag_seconds) for e in exact
@@ -142,6 +164,9 @@ def test_bounded_stats_keep_the_lag_and_report_every_queue(
     assert (bounded[1].pending, bounded[1].capped) == (0, frozenset())
     assert (bounded[2].due, bounded[2].capped) == (1, frozenset())
     assert left_out == []
+    assert [(u.queue, u.pending, u.capped) for u in unsure] == [
+        ("idle", 0, frozenset({"in_flight"}))
+    ]
 
 
 def test_a_bounded_read_is_one_statement_per_queue_at_most(
