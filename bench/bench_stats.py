@@ -79,7 +79,7 @@ PROPOSED_INDEX = (
 )
 
 
-#: The exporters' default cap (``sqla_delayedq.metrics.DEFAULT_AT_MOST``), and a smaller one.
+#: A cap for graphs, and the exporters' default (``sqla_delayedq.metrics.DEFAULT_AT_MOST``).
 CAPS = (10_000, 1_000)
 BLOAT_QUEUE = "bloated"
 

@@ -263,8 +263,8 @@ def test_collector_counts_are_bounded_and_flag_the_counts_that_stopped(backend: 
 @on_pg_and_sqlite
 def test_collector_is_bounded_by_default_and_exact_on_request(backend: Backend) -> None:
     seed(backend)
-    assert QueueStatsCollector(backend.Session).cache.at_most == 10_000
-    assert StatsCache(backend.Session).at_most == 10_000
+    assert QueueStatsCollector(backend.Session).cache.at_most == 1_000
+    assert StatsCache(backend.Session).at_most == 1_000
     registry = CollectorRegistry()
     QueueStatsCollector(backend.Session, min_interval=0, at_most=None).register(registry)
     assert sample(registry, "delayedq_messages", queue="emails", state="due") == 2
