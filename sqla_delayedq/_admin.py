@@ -133,9 +133,10 @@ class AdminMixin:
         """How many messages are due, scheduled, in flight, dead and done.
 
         Exact by default: that reads every row of the queue. With ``at_most``, each count reads
-        at most ``at_most + 1`` rows through an index and stops; a count that stopped is
-        ``at_most``, with its state in ``capped`` (dead and done share one read, so they are
-        capped together). Use it where counts are read often, as metrics do.
+        at most ``at_most + 1`` rows through an index and stops; a count that stopped is a lower
+        bound (``at_most`` at most), with its state in ``capped``. Dead and done share one read,
+        and so do the messages in flight of every queue: they are capped together. Use it where
+        counts are read often, as metrics do.
         """
         if at_most is None:
             row = session.execute(flt.count_by_state(self.table, self.name, self.now())).one()

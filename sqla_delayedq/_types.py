@@ -159,8 +159,8 @@ class MessageInfo:
 class QueueCounts:
     """Messages of a queue by state (:meth:`~sqla_delayedq.DelayedQueue.counts`).
 
-    Exact unless read with ``at_most``: then a state in ``capped`` has more messages than its
-    count says (the count is a lower bound, ``at_most`` at most).
+    Exact unless read with ``at_most``: then the count of a state in ``capped`` is a lower bound
+    (at most ``at_most``): the read stopped before it had seen them all.
     """
 
     due: int
