@@ -375,14 +375,14 @@ class PostgreSQLStrategy(Strategy):
     """
 
     name = "PostgreSQL"
-    min_version = (12,)
-    why_min_version = "the minimum version sqla_delayedq is tested against"
-    max_params = 60_000
-    has_notify = True
     #: One queue per statement: the planner's cost of several queues' bounded reads passes
     #: ``jit_above_cost`` (100,000 by default), and compiling them took longer than reading
     #: (ten queues at ``at_most=1,000``: 172 ms of JIT for about 50 ms of reads).
     queues_per_bounded_stats = 1
+    min_version = (12,)
+    why_min_version = "the minimum version sqla_delayedq is tested against"
+    max_params = 60_000
+    has_notify = True
 
     @staticmethod
     def channel(table: str) -> str:
