@@ -9,7 +9,16 @@ Creates a database ``dq_bench_<random>`` on the local server, fills the default 
 - the statement behind it alone (:func:`sqla_delayedq._cli_read.collect_stats`, warm engine);
 - for comparison, ``DelayedQueue.counts`` + ``oldest_due`` for every queue, the library's exact
   per-queue counts, which read every row of the queue;
-- the stats statement again with the partial index proposed in ``docs/operators.md``.
+- the same reads **bounded** (``at_most``, 10,000 and 1,000): ``collect_stats`` as
+  ``delayedq stats --at-most N`` runs it, and ``counts(at_most=N)`` + ``oldest_due`` per queue;
+- the stats statement again with the partial index proposed in ``docs/operators.md``;
+- then, unless ``--bloat 0``, the reads of one more queue whose index ranges hold dead entries:
+  a session holds a ``REPEATABLE READ`` snapshot open (a pinned vacuum horizon) while
+  ``--bloat`` messages are offered, taken and acknowledged (500 per transaction), then
+  ``--live`` messages are offered and stay due; each read is timed and its buffers counted
+  (``EXPLAIN (ANALYZE, BUFFERS)``): pinned with the statistics from before the queue existed,
+  pinned after an ``ANALYZE`` (autovacuum's would come within a minute: the queue changed more
+  than 10 % of the table), and after the pin ends and ``VACUUM``.
 
 The database is dropped at the end (``--keep`` keeps it). Run from the repository root::
 
@@ -24,7 +33,7 @@ import secrets
 import statistics
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import sqlalchemy as sa
@@ -35,6 +44,7 @@ from sqlalchemy.orm import sessionmaker
 from sqla_delayedq import DelayedQueue, create_engine
 from sqla_delayedq._cli_base import Db, model_for
 from sqla_delayedq._cli_read import collect_stats
+from sqla_delayedq._cli_stats import bounded_stats_stmt, stats_stmt
 from sqla_delayedq.cli import cli
 from sqla_delayedq.models import metadata
 
@@ -69,6 +79,11 @@ PROPOSED_INDEX = (
 )
 
 
+#: A cap for graphs, and the exporters' default (``sqla_delayedq.metrics.DEFAULT_AT_MOST``).
+CAPS = (10_000, 1_000)
+BLOAT_QUEUE = "bloated"
+
+
 def timed(fn: Callable[[], Any], runs: int) -> list[float]:
     times = []
     for _ in range(runs):
@@ -96,6 +111,83 @@ def explain(engine: Engine, db: Db) -> None:
         sql = str(stmt.compile(engine, compile_kwargs={"literal_binds": True}))
         for (line,) in s.execute(sa.text("EXPLAIN (ANALYZE, BUFFERS) " + sql)):
             print("   ", line)
+
+
+def buffers(engine: Engine, stmt: Any) -> int:
+    """Shared buffers one run of ``stmt`` touches (hit or read), from EXPLAIN (ANALYZE, BUFFERS)."""
+    sql = str(stmt.compile(engine, compile_kwargs={"literal_binds": True}))
+    with engine.connect() as conn:
+        (doc,) = conn.exec_driver_sql("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + sql).scalar()
+    top = doc["Plan"]
+    return int(top["Shared Hit Blocks"] + top["Shared Read Blocks"])
+
+
+def bloated_reads(engine: Engine, db: Db, args: argparse.Namespace) -> None:
+    """Exact and bounded reads of a queue whose ranges hold ``--bloat`` messages' dead entries
+    (the horizon pinned while they went through), with ``--live`` due messages behind them."""
+    q = DelayedQueue[Any](BLOAT_QUEUE, lease=timedelta(minutes=5))
+    t = db.table
+    pin = engine.connect()
+    pin.exec_driver_sql("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    pin.exec_driver_sql("SELECT 1").all()  # takes the snapshot: the horizon stays here
+    started = time.perf_counter()
+    try:
+        for first in range(0, args.bloat, 500):
+            keys = [(f"gone/{i}", {"i": i}) for i in range(first, min(first + 500, args.bloat))]
+            with db.sessions() as s, s.begin():
+                q.offer_batch(s, keys)
+            with db.sessions() as s, s.begin():
+                taken = q.try_poll_many(s, len(keys))
+            with db.sessions() as s, s.begin():
+                q.ack_many(s, taken)
+        with db.sessions() as s, s.begin():
+            q.offer_batch(s, [(f"live/{i}", {"i": i}) for i in range(args.live)])
+        print(f"\n{args.bloat:,} messages offered, taken and acknowledged with the horizon pinned, "
+              f"then {args.live:,} left due, in {time.perf_counter() - started:.1f} s")  # fmt: skip
+        measure_bloated(engine, db, q, t, args, "horizon pinned, statistics from before")
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.exec_driver_sql("ANALYZE delayed_queue")  # autovacuum's would come within 1 min
+        measure_bloated(engine, db, q, t, args, "horizon pinned, after ANALYZE")
+    finally:
+        pin.rollback()
+        pin.close()
+    print(f"pin released; VACUUM ANALYZE: {vacuum(engine):.1f} s")
+    measure_bloated(engine, db, q, t, args, "after VACUUM")
+
+
+def measure_bloated(
+    engine: Engine, db: Db, q: DelayedQueue[Any], t: Any, args: argparse.Namespace, phase: str
+) -> None:
+    now = datetime.now(UTC)
+    names = (BLOAT_QUEUE,)
+    rows: list[tuple[str, list[float], int | None]] = [
+        ("exact stats of the queue (delayedq stats -q)",
+         timed(lambda: collect_stats(db, names, missing_ok=True), args.runs),
+         buffers(engine, stats_stmt(t, names, now))),
+    ]  # fmt: skip
+    for cap in CAPS:
+        rows.append(
+            (f"bounded stats of the queue, at_most={cap:,}",
+             timed(lambda cap=cap: collect_stats(db, names, missing_ok=True, at_most=cap),
+                   args.runs),
+             buffers(engine, bounded_stats_stmt(t, names, now, cap)))
+        )  # fmt: skip
+
+    def lag() -> None:
+        with db.sessions() as s:
+            q.oldest_due(s)
+
+    rows.append(("oldest_due (the lag: one probe)", timed(lag, args.runs), None))
+    print(f"\n{phase}:")
+    for label, times, touched in rows:
+        extra = "" if touched is None else f"   {touched:,} buffers"
+        print(summary(label, times) + extra)
+    with db.sessions() as s:
+        exact, bounded = (
+            q.counts(s),
+            q.counts(s, at_most=CAPS[0]),
+        )
+    print(f"    exact {exact}\n    bounded {bounded}")
 
 
 def vacuum(engine: Engine) -> float:
@@ -147,6 +239,12 @@ def run(args: argparse.Namespace) -> None:
                     q.counts(s)
                     q.oldest_due(s)
 
+        def bounded_counts(cap: int) -> None:
+            with db.sessions() as s:
+                for q in queues:
+                    q.counts(s, at_most=cap)
+                    q.oldest_due(s)
+
         results = [
             ("delayedq stats --json (CliRunner, end to end)", timed(cli_stats, args.runs)),
             ("stats statement only (collect_stats, warm engine)",
@@ -154,6 +252,15 @@ def run(args: argparse.Namespace) -> None:
             ("for comparison: DelayedQueue.counts + oldest_due x queues",
              timed(library_counts, args.runs)),
         ]  # fmt: skip
+        for cap in CAPS:
+            results += [
+                (f"bounded stats statement, at_most={cap:,} (collect_stats)",
+                 timed(lambda cap=cap: collect_stats(db, (), at_most=cap), args.runs)),
+                (f"bounded: counts(at_most={cap:,}) + oldest_due x queues",
+                 timed(lambda cap=cap: bounded_counts(cap), args.runs)),
+            ]  # fmt: skip
+        capped = collect_stats(db, (), at_most=CAPS[0])
+        print(f"bounded at {CAPS[0]:,}: capped {sorted({s for q in capped for s in q.capped})}")
         if args.explain:
             print("\nplan without the proposed index:")
             explain(engine, db)
@@ -176,6 +283,8 @@ def run(args: argparse.Namespace) -> None:
         total = {k: sum(q[k] for q in doc["queues"]) for k in ("due", "scheduled", "in_flight")}
         dead = sum(q["dead"] for q in doc["queues"])
         print(f"\nchecked: {len(doc['queues'])} queues, {total}, dead {dead:,}")
+        if args.bloat:
+            bloated_reads(engine, db, args)
         print(f"at {datetime.now(UTC).isoformat(timespec='seconds')} on PostgreSQL "
               f"{engine.dialect.server_version_info}")  # fmt: skip
     finally:
@@ -197,6 +306,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--admin-url", default=ADMIN_URL, help="a server URL that may CREATE DATABASE"
     )
+    parser.add_argument(
+        "--bloat", type=int, default=50_000, help="messages through a queue, horizon pinned"
+    )
+    parser.add_argument("--live", type=int, default=20_000, help="due messages behind them")
     parser.add_argument("--explain", action="store_true", help="print the stats query plans")
     parser.add_argument("--keep", action="store_true", help="keep the database afterwards")
     run(parser.parse_args(argv))

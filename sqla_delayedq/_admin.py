@@ -15,6 +15,7 @@ from sqlalchemy.sql import ColumnElement
 
 from . import _filters as flt
 from . import _statements as st
+from ._cli_stats import queue_stats
 from ._codec import Codec, decode_headers
 from ._dialects import transient_as_ours
 from ._rules import check_priority
@@ -128,18 +129,27 @@ class AdminMixin:
         return session.execute(stmt).first() is not None
 
     @transient_as_ours
-    def counts(self, session: Session) -> QueueCounts:
-        """How many messages are due, scheduled, in flight, dead and done."""
-        row = session.execute(flt.count_by_state(self.table, self.name, self.now())).one()
-        return QueueCounts(*(int(v) for v in row))
+    def counts(self, session: Session, *, at_most: int | None = None) -> QueueCounts:
+        """How many messages are due, scheduled, in flight, dead and done.
+
+        Exact by default: that reads every row of the queue. With ``at_most``, each count reads
+        at most ``at_most + 1`` rows through an index and stops; a count that stopped is a lower
+        bound (``at_most`` at most), with its state in ``capped``. Dead and done share one read,
+        and so do the messages in flight of every queue: they are capped together. Use it where
+        counts are read often, as metrics do.
+        """
+        if at_most is None:
+            row = session.execute(flt.count_by_state(self.table, self.name, self.now())).one()
+            return QueueCounts(*(int(v) for v in row))
+        (q,) = queue_stats(
+            session, self.table, self.now(), [self.name], include_missing=True, at_most=at_most
+        )
+        return QueueCounts(q.due, q.scheduled, q.in_flight, q.dead, q.done, capped=q.capped)
 
     @transient_as_ours
     def oldest_due(self, session: Session) -> datetime | None:
         """The due time of the oldest due message (its lag is ``now - oldest_due``)."""
-        t = self.table
-        stmt = select(func.min(t.c.scheduled_at)).where(
-            st.due_filter(st.message_shape(t), self.name, self.now())
-        )
+        stmt = st.oldest_due(st.message_shape(self.table), self.name, self.now())
         value: datetime | None = session.execute(stmt).scalar()
         return value
 

@@ -35,7 +35,7 @@ from ._cli_base import (
     queues_option,
     short,
 )
-from ._cli_stats import QueueStats, queue_stats
+from ._cli_stats import STATES, QueueStats, queue_stats
 from ._cli_target import open_db
 from ._types import MessageFilter, MessageInfo
 
@@ -44,31 +44,51 @@ UTC = timezone.utc
 # -- stats -------------------------------------------------------------------------------------
 
 
-def collect_stats(db: Db, queues: Sequence[str], *, missing_ok: bool = False) -> list[QueueStats]:
+def collect_stats(
+    db: Db, queues: Sequence[str], *, missing_ok: bool = False, at_most: int | None = None
+) -> list[QueueStats]:
     """What ``stats`` shows; the benchmark times this function."""
     if queues and not missing_ok:
         db.resolve_queues(queues)
     with db.sessions() as s:
         return queue_stats(
-            s, db.table, datetime.now(UTC), list(queues) or None, include_missing=missing_ok
+            s,
+            db.table,
+            datetime.now(UTC),
+            list(queues) or None,
+            include_missing=missing_ok,
+            at_most=at_most,
         )
 
 
-def stats_json(db: Db, stats: Sequence[QueueStats], now: datetime) -> dict[str, Any]:
-    return {"table": db.table_name, "now": iso(now), "queues": [q.as_dict() for q in stats]}
+def stats_json(
+    db: Db, stats: Sequence[QueueStats], now: datetime, at_most: int | None = None
+) -> dict[str, Any]:
+    return {
+        "table": db.table_name,
+        "now": iso(now),
+        "at_most": at_most,
+        "queues": [q.as_dict() for q in stats],
+    }
+
+
+def count_text(n: int, capped: bool) -> str:
+    """A count as the table shows it: ``10,000+`` when it stopped at the cap."""
+    return f"{n:,}+" if capped else f"{n:,}"
 
 
 def stats_table(stats: Sequence[QueueStats]) -> Table:
     counts = ("due", "scheduled", "in flight", "dead", "done")
     table = new_table("queue", *counts, "oldest due", "lag", right=(*counts, "lag"))
     for q in stats:
+        shown = {state: count_text(getattr(q, state), state in q.capped) for state in STATES}
         table.add_row(
             q.queue,
-            f"{q.due:,}",
-            f"{q.scheduled:,}",
-            f"{q.in_flight:,}",
-            f"[red]{q.dead:,}[/red]" if q.dead else "0",
-            f"{q.done:,}",
+            shown["due"],
+            shown["scheduled"],
+            shown["in_flight"],
+            f"[red]{shown['dead']}[/red]" if q.dead or "dead" in q.capped else "0",
+            shown["done"],
             iso(q.oldest_due) or "-",
             human_seconds(q.lag_seconds) if q.oldest_due is not None else "-",
         )
@@ -77,8 +97,8 @@ def stats_table(stats: Sequence[QueueStats]) -> Table:
         table.add_row(
             "total",
             *(
-                f"{sum(getattr(q, a) for q in stats):,}"
-                for a in ("due", "scheduled", "in_flight", "dead", "done")
+                count_text(sum(getattr(q, a) for q in stats), any(a in q.capped for q in stats))
+                for a in STATES
             ),
             "",
             human_seconds(max(q.lag_seconds for q in stats)),
@@ -98,6 +118,13 @@ def stats_table(stats: Sequence[QueueStats]) -> Table:
     metavar="SECONDS",
     help="Refresh every SECONDS until interrupted (with --json: one JSON document per line).",
 )
+@click.option(
+    "--at-most",
+    type=click.IntRange(min=1),
+    metavar="N",
+    help="Count at most N messages per queue and state (shown as N+): a read that stays "
+    "short however long the backlog. Default: exact counts.",
+)
 @json_option
 @click.pass_context
 def stats(
@@ -108,16 +135,21 @@ def stats(
     queues: tuple[str, ...],
     missing_ok: bool,
     watch: float | None,
+    at_most: int | None,
     as_json: bool,
 ) -> None:
     """Per queue: messages due now, scheduled later, in flight, dead, done, and the lag of the
     oldest due message. Counts come from indexes, so this stays fast on big tables."""
     db = open_db(ctx, url, table, app=app, queues=queues)
+
+    def collect() -> list[QueueStats]:
+        return collect_stats(db, queues, missing_ok=missing_ok, at_most=at_most)
+
     if watch is None:
         now = datetime.now(UTC)
-        result = collect_stats(db, queues, missing_ok=missing_ok)
+        result = collect()
         if as_json:
-            emit_json(stats_json(db, result, now))
+            emit_json(stats_json(db, result, now, at_most))
         elif not result:
             click.echo(f"no messages in table {db.table_name!r}")
         else:
@@ -131,12 +163,12 @@ def stats(
         if as_json:
             while True:
                 now = datetime.now(UTC)
-                result = collect_stats(db, queues, missing_ok=missing_ok)
-                click.echo(json.dumps(stats_json(db, result, now)))
+                result = collect()
+                click.echo(json.dumps(stats_json(db, result, now, at_most)))
                 time.sleep(watch)
         with Live(stats_table([]), console=out(), auto_refresh=False) as live:
             while True:
-                live.update(stats_table(collect_stats(db, queues, missing_ok=missing_ok)))
+                live.update(stats_table(collect()))
                 live.refresh()
                 time.sleep(watch)
     except KeyboardInterrupt:

@@ -190,6 +190,12 @@ def due_filter(shape: Shape, queue: Any, now: Any) -> ColumnElement[bool]:
     return and_(shape.queue == queue, shape.due <= now)
 
 
+def oldest_due(shape: Shape, queue: Any, now: Any) -> Select[Any]:
+    """The due time of the oldest due row (its lag is ``now`` minus it): one probe of the due
+    index."""
+    return select(func.min(shape.due)).where(due_filter(shape, queue, now))
+
+
 #: How a queue orders messages that share a group key (``DelayedQueue(groups=...)``): None for
 #: a queue without groups; ``"dead_skips"``: a dead message no longer holds its group back;
 #: ``"dead_blocks"``: it does, until it is requeued or dropped.

@@ -157,15 +157,28 @@ class MessageInfo:
 
 @dataclass(frozen=True)
 class QueueCounts:
+    """Messages of a queue by state (:meth:`~sqla_delayedq.DelayedQueue.counts`).
+
+    Exact unless read with ``at_most``: then the count of a state in ``capped`` is a lower bound
+    (at most ``at_most``): the read stopped before it had seen them all.
+    """
+
     due: int
     scheduled: int
     in_flight: int
     dead: int
     done: int
+    #: The states whose count stopped at the read's ``at_most``: there are at least that many.
+    capped: frozenset[str] = field(default=frozenset(), kw_only=True)
 
     @property
     def pending(self) -> int:
         return self.due + self.scheduled + self.in_flight
+
+    @property
+    def exact(self) -> bool:
+        """Whether every count is exact (none was capped)."""
+        return not self.capped
 
 
 @dataclass(frozen=True)

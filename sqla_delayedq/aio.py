@@ -230,8 +230,8 @@ class AsyncQueue(Generic[T]):
     async def contains(self, session: AsyncSession, key: str) -> bool:
         return await session.run_sync(lambda s: self.queue.contains(s, key))
 
-    async def counts(self, session: AsyncSession) -> QueueCounts:
-        return await session.run_sync(self.queue.counts)
+    async def counts(self, session: AsyncSession, *, at_most: int | None = None) -> QueueCounts:
+        return await session.run_sync(lambda s: self.queue.counts(s, at_most=at_most))
 
     async def oldest_due(self, session: AsyncSession) -> datetime | None:
         return await session.run_sync(self.queue.oldest_due)

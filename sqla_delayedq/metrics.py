@@ -9,8 +9,12 @@ Two kinds of signal, for either backend:
   combine several with :class:`CompositeHooks`.
 - **Queue depth and lag**, read from the table when scraped or collected: messages per queue and
   state, and the lag of the oldest due message. :class:`QueueStatsCollector` for Prometheus,
-  :func:`observe_queues` for OpenTelemetry. Both use the index-served queries of ``delayedq
-  stats`` and cache them for ``min_interval`` seconds, so frequent scrapes cost one query.
+  :func:`observe_queues` for OpenTelemetry. Both read through a :class:`StatsCache`: the
+  index-served queries of ``delayedq stats``, **bounded**: each count reads at most
+  ``at_most + 1`` rows (1,000 by default; a count above it reads as 1,000 and is flagged
+  capped, meaning "at least"), at most once per ``min_interval`` seconds, and never more than
+  1 % of the time (after a read of 0.2 s, the next comes 20 s later at the soonest). So
+  frequent scrapes cost one bounded query, and a slow database is read less often, not more.
 
 And traces, with OpenTelemetry: :func:`instrument_queue` wraps a queue's ``offer`` and
 ``offer_batch`` in ``send <queue>`` producer spans and stores the trace context with each message
@@ -45,9 +49,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from sqlalchemy import Table
 from sqlalchemy.orm import Session
 
-from ._cli_stats import QueueStats, queue_stats
+from ._cli_stats import STATES, QueueStats, queue_stats
 from ._handlers import is_async_callable
 from ._types import Envelope, NackOutcome, OfferMode, OfferResult
+from .errors import InvalidArgument
 from .models import DelayedMessage
 from .worker import Handler, WorkerHooks
 
@@ -75,7 +80,13 @@ __all__ = [
 log = logging.getLogger("sqla_delayedq.metrics")
 
 UTC = timezone.utc
-STATES = ("due", "scheduled", "in_flight", "dead", "done")
+#: The exporters' cap on each count (:class:`StatsCache`): a count above it reads as this many,
+#: flagged as capped. 1,000 rather than 10,000: with the vacuum horizon pinned, PostgreSQL read
+#: a 10,000 cap's ranges whole (it expected them barely longer), as costly as an exact read,
+#: while 1,000 stopped early (``bench/bench_stats.py``; docs/operators.md).
+DEFAULT_AT_MOST = 1_000
+#: The largest share of wall time a :class:`StatsCache` spends reading the table.
+DEFAULT_READ_SHARE = 0.01
 #: Handler durations from 5 ms to 10 min.
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 #: Pickup lags from 10 ms to 1 day.
@@ -318,6 +329,14 @@ class StatsCache:
     :param sessions: a sessionmaker (or any callable returning a Session) for the database.
     :param table: the message table; the default ``delayed_queue`` when None.
     :param queues: the queues to report; every queue in the table when None.
+    :param at_most: each count reads at most ``at_most + 1`` rows; a count above it is reported
+        as ``at_most`` with its state in ``QueueStats.capped`` ("at least"). None: exact
+        counts, which read the whole backlog.
+    :param max_read_share: the largest share of wall time spent reading: after a read of
+        ``d`` seconds the next waits ``d / max_read_share`` seconds when that is longer than
+        ``min_interval`` (with 0.01, a read of 0.2 s makes the next wait 20 s). None: only
+        ``min_interval``.
+    :param clock: seconds on a monotonic clock (tests pass a manual one).
     """
 
     def __init__(
@@ -327,22 +346,38 @@ class StatsCache:
         table: Table | None = None,
         queues: Sequence[str] | None = None,
         min_interval: float = 10.0,
+        at_most: int | None = DEFAULT_AT_MOST,
+        max_read_share: float | None = DEFAULT_READ_SHARE,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if max_read_share is not None and not 0 < max_read_share <= 1:
+            raise InvalidArgument(f"max_read_share must be in (0, 1] or None, got {max_read_share}")
         self.sessions = sessions
         self.table: Table = table if table is not None else DelayedMessage.__table__  # type: ignore[assignment]
         self.queues = None if queues is None else list(queues)
         self.min_interval = min_interval
+        self.at_most = at_most
+        self.max_read_share = max_read_share
+        self.clock = clock
         self._lock = threading.Lock()
         self._read_at = -float("inf")
         self._stats: list[QueueStats] = []
         self._ok = False
         self._seconds = 0.0
 
+    @property
+    def interval(self) -> float:
+        """Seconds from the end of one read to the next: ``min_interval``, or longer after a
+        slow read (see ``max_read_share``)."""
+        if self.max_read_share is None:
+            return self.min_interval
+        return max(self.min_interval, self._seconds / self.max_read_share)
+
     def get(self) -> tuple[list[QueueStats], bool, float]:
         """(the stats, whether the last read worked, how long it took in seconds)."""
         with self._lock:
-            if time.monotonic() - self._read_at >= self.min_interval:
-                started = time.monotonic()
+            if self.clock() - self._read_at >= self.interval:
+                started = self.clock()
                 try:
                     with self.sessions() as s:
                         self._stats = queue_stats(
@@ -351,22 +386,25 @@ class StatsCache:
                             datetime.now(UTC),
                             self.queues,
                             include_missing=self.queues is not None,
+                            at_most=self.at_most,
                         )
                     self._ok = True
                 except Exception:
                     log.exception("reading queue stats failed")
                     self._ok = False
-                self._seconds = time.monotonic() - started
-                self._read_at = time.monotonic()
+                self._read_at = self.clock()
+                self._seconds = self._read_at - started
             return list(self._stats), self._ok, self._seconds
 
 
 class QueueStatsCollector:
     """A Prometheus collector for queue depth and lag, read from the table at scrape time.
 
-    ``delayedq_messages{queue,state}``, ``delayedq_oldest_due_lag_seconds{queue}`` (0 when
-    nothing is due), ``delayedq_stats_up`` (0 when the last read failed) and
-    ``delayedq_stats_duration_seconds``. After a failed read the last good values are kept.
+    ``delayedq_messages{queue,state}``, ``delayedq_messages_capped{queue,state}`` (1 when that
+    count stopped at the cap, ``at_most``: there are at least that many),
+    ``delayedq_oldest_due_lag_seconds{queue}`` (0 when nothing is due), ``delayedq_stats_up`` (0
+    when the last read failed) and ``delayedq_stats_duration_seconds``. After a failed read the
+    last good values are kept. See :class:`StatsCache` for ``min_interval`` and ``at_most``.
     """
 
     def __init__(
@@ -376,12 +414,15 @@ class QueueStatsCollector:
         table: Table | None = None,
         queues: Sequence[str] | None = None,
         min_interval: float = 10.0,
+        at_most: int | None = DEFAULT_AT_MOST,
         namespace: str = "delayedq",
     ) -> None:
         self.cache = (
             sessions
             if isinstance(sessions, StatsCache)
-            else StatsCache(sessions, table=table, queues=queues, min_interval=min_interval)
+            else StatsCache(
+                sessions, table=table, queues=queues, min_interval=min_interval, at_most=at_most
+            )
         )
         self.namespace = namespace
 
@@ -391,13 +432,18 @@ class QueueStatsCollector:
         (REGISTRY if registry is None else registry).register(self)
         return self
 
-    def _families(self) -> tuple[Any, Any, Any, Any]:
+    def _families(self) -> tuple[Any, Any, Any, Any, Any]:
         from prometheus_client.core import GaugeMetricFamily
 
         n = self.namespace
         return (
             GaugeMetricFamily(
                 f"{n}_messages", "Messages by queue and state", labels=["queue", "state"]
+            ),
+            GaugeMetricFamily(
+                f"{n}_messages_capped",
+                "1 when the count of messages stopped at the cap: there are at least that many",
+                labels=["queue", "state"],
             ),
             GaugeMetricFamily(
                 f"{n}_oldest_due_lag_seconds", "Lag of the oldest due message", labels=["queue"]
@@ -411,15 +457,16 @@ class QueueStatsCollector:
         yield from self._families()
 
     def collect(self) -> Iterator[Metric]:
-        depth, lag, up, duration = self._families()
+        depth, capped, lag, up, duration = self._families()
         stats, ok, seconds = self.cache.get()
         for q in stats:
             for state in STATES:
                 depth.add_metric([q.queue, state], getattr(q, state))
+                capped.add_metric([q.queue, state], 1.0 if state in q.capped else 0.0)
             lag.add_metric([q.queue], q.lag_seconds)
         up.add_metric([], 1.0 if ok else 0.0)
         duration.add_metric([], seconds)
-        yield from (depth, lag, up, duration)
+        yield from (depth, capped, lag, up, duration)
 
 
 class HealthCollector:
@@ -509,12 +556,14 @@ def serve_prometheus(
     table: Table | None = None,
     queues: Sequence[str] | None = None,
     registry: CollectorRegistry | None = None,
+    at_most: int | None = DEFAULT_AT_MOST,
 ) -> PrometheusHooks:
-    """Register the depth/lag collector, serve ``/metrics`` on ``port``, return worker hooks."""
+    """Register the depth/lag collector (counts bounded by ``at_most``, see
+    :class:`StatsCache`), serve ``/metrics`` on ``port``, return worker hooks."""
     from prometheus_client import REGISTRY, start_http_server
 
     reg = REGISTRY if registry is None else registry
-    QueueStatsCollector(sessions, table=table, queues=queues).register(reg)
+    QueueStatsCollector(sessions, table=table, queues=queues, at_most=at_most).register(reg)
     hooks = PrometheusHooks(reg)
     start_http_server(port, addr, registry=reg)
     log.info("serving Prometheus metrics on %s:%d", addr, port)
@@ -528,16 +577,21 @@ def observe_queues(
     table: Table | None = None,
     queues: Sequence[str] | None = None,
     min_interval: float = 10.0,
+    at_most: int | None = DEFAULT_AT_MOST,
 ) -> StatsCache:
-    """OpenTelemetry observable gauges ``delayedq.queue.depth`` {queue, state} and
-    ``delayedq.queue.lag`` {queue} (seconds), read from the table when the reader collects."""
+    """OpenTelemetry observable gauges ``delayedq.queue.depth`` {queue, state},
+    ``delayedq.queue.depth.capped`` {queue, state} (1 when that count stopped at ``at_most``:
+    there are at least that many) and ``delayedq.queue.lag`` {queue} (seconds), read from the
+    table when the reader collects (see :class:`StatsCache`)."""
     from opentelemetry import metrics
     from opentelemetry.metrics import Observation
 
     cache = (
         sessions
         if isinstance(sessions, StatsCache)
-        else StatsCache(sessions, table=table, queues=queues, min_interval=min_interval)
+        else StatsCache(
+            sessions, table=table, queues=queues, min_interval=min_interval, at_most=at_most
+        )
     )
     m = meter or metrics.get_meter(INSTRUMENTATION, _version())
 
@@ -549,12 +603,26 @@ def observe_queues(
             for state in STATES
         ]
 
+    def capped(_options: CallbackOptions) -> Iterable[Observation]:
+        stats, _, _ = cache.get()
+        return [
+            Observation(1 if state in q.capped else 0, {"queue": q.queue, "state": state})
+            for q in stats
+            for state in STATES
+        ]
+
     def lag(_options: CallbackOptions) -> Iterable[Observation]:
         stats, _, _ = cache.get()
         return [Observation(q.lag_seconds, {"queue": q.queue}) for q in stats]
 
     m.create_observable_gauge(
         "delayedq.queue.depth", [depth], "{message}", "Messages by queue and state"
+    )
+    m.create_observable_gauge(
+        "delayedq.queue.depth.capped",
+        [capped],
+        "1",
+        "1 when the count of messages stopped at the cap: there are at least that many",
     )
     m.create_observable_gauge("delayedq.queue.lag", [lag], "s", "Lag of the oldest due message")
     return cache

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
+from unittest.mock import ANY
 
 import pytest
 import sqlalchemy as sa
@@ -230,8 +231,50 @@ def test_stats_of_an_unknown_queue_fails_unless_missing_ok(backend: Backend, run
             "pending": 0,
             "oldest_due": None,
             "lag_seconds": 0.0,
+            "capped": [],
         }
     ]
+
+
+@on_all_backends
+def test_stats_at_most_caps_each_count_and_says_which(backend: Backend, run: Run) -> None:
+    """emails: 3 due, 2 scheduled, 1 in flight, 1 dead; sms: 1 due."""
+    seed(backend)
+    exact = run_json(run, "stats")
+    assert exact["at_most"] is None
+    assert all(q["capped"] == [] for q in exact["queues"])
+    doc = run_json(run, "stats", "--at-most", "2")
+    assert doc["at_most"] == 2
+    emails, sms = doc["queues"]
+    assert {k: emails[k] for k in ("due", "scheduled", "in_flight", "dead", "done")} == {
+        "due": 2,
+        "scheduled": 2,
+        "in_flight": 1,
+        "dead": 1,
+        "done": 0,
+    }
+    assert emails["capped"] == ["due"]
+    assert emails["lag_seconds"] == pytest.approx(exact["queues"][0]["lag_seconds"], abs=5)
+    assert (sms["due"], sms["capped"]) == (1, [])
+    # At or above every count, the bounded read is the exact one (the lag moves with the clock).
+    below = run_json(run, "stats", "--at-most", "3")
+    assert below == {**exact, "now": ANY, "at_most": 3, "queues": ANY}
+    assert [{**q, "lag_seconds": ANY} for q in below["queues"]] == exact["queues"]
+
+
+@on_pg_and_sqlite
+def test_stats_table_marks_capped_counts_with_a_plus(backend: Backend, run: Run) -> None:
+    seed(backend)
+    result = run("stats", "--at-most", "2")
+    assert result.exit_code == 0, result.output
+    lines = [line.split() for line in result.stdout.splitlines() if line.strip()]
+    assert any(line[:6] == ["emails", "2+", "2", "1", "1", "0"] for line in lines), result.stdout
+    assert any(line[:3] == ["total", "3+", "2"] for line in lines), result.stdout
+
+
+def test_stats_at_most_must_be_positive(tmp_path: Path) -> None:
+    result = invoke(f"sqlite:///{tmp_path / 'x.sqlite'}", "stats", "--at-most", "0")
+    assert_one_line_error(result, 2, "--at-most", "0")
 
 
 def test_an_invalid_queue_name_is_a_usage_error(tmp_path: Path) -> None:

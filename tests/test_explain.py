@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import re
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import cast
 
+import psycopg.sql
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import asyncpg
 
 from sqla_delayedq import DelayedMessage, DelayedQueue
 from sqla_delayedq import _statements as st
+from sqla_delayedq._cli_stats import bounded_stats_stmt
 
 T = cast(sa.Table, DelayedMessage.__table__)
 
@@ -259,3 +263,188 @@ def test_the_group_probe_reads_the_group_index_on_a_table_analysed_when_empty(pg
             probe = plan.split("SubPlan 1\n")[1]
             assert "ix_delayed_queue_group" in probe, plan
             assert "ix_delayed_queue_due" not in probe, plan
+
+
+# -- bounded depth: each count reads at most at_most + 1 rows of its index range (issue 19) -------
+
+CAP = 100
+IN_FLIGHT = 40
+#: Leases of queue ``other``: with ``q``'s, more than the cap.
+OTHER_LEASES = 1000
+
+
+def fill_depth(conn) -> None:
+    """Queue ``q``: 3,000 due, 3,000 scheduled, 40 in flight, 500 dead and 500 done; queue
+    ``other`` beside it (3,000 due, 1,000 in flight), so a read that left its range would show."""
+    for queue in ("q", "other"):
+        conn.exec_driver_sql(
+            "INSERT INTO delayed_queue (queue, key, payload_type, payload, status, scheduled_at,"
+            " scheduled_at_initially, created_at, lock_token, attempts)"
+            " SELECT %(q)s::text, 'k' || g, 'json', '{}',"
+            " CASE WHEN g <= 6000 OR g > 7000 THEN 'pending' WHEN g <= 6500 THEN 'dead'"
+            "  ELSE 'done' END,"
+            " CASE WHEN g <= 3000 THEN now() - g * interval '1 second'"
+            "  WHEN g <= 6000 THEN now() + g * interval '1 second' WHEN g <= 7000 THEN NULL"
+            "  ELSE now() + interval '1 minute' END,"
+            " now(), now(), CASE WHEN g > 7000 THEN 'lease.' || %(q)s::text || g END, 1"
+            " FROM generate_series(1, %(n)s) g",
+            {"q": queue, "n": 7000 + IN_FLIGHT if queue == "q" else 3000},
+        )
+    conn.exec_driver_sql(
+        "INSERT INTO delayed_queue (queue, key, payload_type, payload, status, scheduled_at,"
+        " scheduled_at_initially, created_at, lock_token, attempts)"
+        " SELECT 'other', 'f' || g, 'json', '{}', 'pending', now() + interval '1 minute', now(),"
+        " now(), 'lease.other' || g, 1 FROM generate_series(1, %(n)s) g",
+        {"n": OTHER_LEASES},
+    )
+
+
+def scans(node: dict) -> list[dict]:
+    """The plan's scans of the message table."""
+    found = [node] if node.get("Relation Name") == "delayed_queue" else []
+    for child in node.get("Plans", []):
+        found.extend(scans(child))
+    return found
+
+
+def index_of(scan: dict) -> str | None:
+    """The index a scan reads (None for a sequential scan)."""
+    if scan["Node Type"] == "Bitmap Heap Scan" and len(scan["Plans"]) == 1:
+        return scan["Plans"][0].get("Index Name")
+    return scan.get("Index Name")
+
+
+def assert_each_read_stops_at_the_cap(plan: dict) -> None:
+    """Range scans in index order that stop, each range read once: due rows (the oldest due
+    among them), scheduled rows (past the rows in flight among them, which the heap check
+    filters out), rows without a schedule (dead and done), each at most CAP + 1; and the leases
+    of every queue (1,040), CAP + 1 of them, from the lock-token index."""
+    ranges: dict[str, list[int]] = {}
+    for s in scans(plan["Plan"]):
+        index = index_of(s)
+        read = s["Actual Rows"] + s.get("Rows Removed by Filter", 0)
+        cond = s.get("Index Cond", "")
+        if index == "ix_delayed_queue_lock_token":
+            assert s["Node Type"] == "Index Scan", (s, plan)
+            ranges.setdefault("leases", []).append(read)
+            continue
+        assert index == "ix_delayed_queue_due", (s, plan)
+        assert s["Node Type"] in ("Index Scan", "Index Only Scan"), (s, plan)
+        if "IS NULL" in cond:
+            key = "no schedule"
+        elif "scheduled_at <=" in cond:
+            key = "due"
+        else:
+            assert "scheduled_at >" in cond, (s, plan)
+            key = "scheduled"
+        ranges.setdefault(key, []).append(read)
+    assert ranges == {
+        "due": [CAP + 1],
+        "scheduled": [CAP + 1 + IN_FLIGHT],
+        "leases": [CAP + 1],
+        "no schedule": [CAP + 1],
+    }, (ranges, plan)
+
+
+def explain_analyze(conn, stmt) -> dict:
+    compiled = stmt.compile(dialect=conn.dialect, compile_kwargs={"render_postcompile": True})
+    sql = "EXPLAIN (ANALYZE, FORMAT JSON) " + compiled.string
+    (doc,) = conn.exec_driver_sql(sql, compiled.params).scalar_one()
+    return doc
+
+
+def test_a_bounded_count_reads_at_most_cap_plus_one_rows_of_each_range(pg):
+    """Analysed after the fill: each subquery is a range scan in index order that stops at the
+    LIMIT. (On statistics much older than the table, e.g. taken while it was empty, PostgreSQL
+    may read a range whole with a bitmap scan, as an exact count does.)"""
+    with pg.engine.begin() as conn:
+        fill_depth(conn)
+    with pg.engine.begin() as conn:
+        conn.exec_driver_sql("ANALYZE delayed_queue")
+    stmt = bounded_stats_stmt(T, ["q"], datetime.now(timezone.utc), CAP)
+    with pg.engine.connect() as conn:
+        assert_each_read_stops_at_the_cap(explain_analyze(conn, stmt))
+
+
+def test_a_bounded_count_stops_at_the_cap_under_a_generic_plan(pg):
+    """psycopg prepares a statement run five times on a connection (an exporter's), and
+    PostgreSQL may then plan it once for any parameters: the reads still stop at the cap."""
+    with pg.engine.begin() as conn:
+        fill_depth(conn)
+    with pg.engine.begin() as conn:
+        conn.exec_driver_sql("ANALYZE delayed_queue")
+    stmt = bounded_stats_stmt(T, ["q"], datetime.now(timezone.utc), CAP)
+    # $1, $2, ... placeholders
+    compiled = stmt.compile(dialect=asyncpg.dialect(), compile_kwargs={"render_postcompile": True})
+    with pg.engine.connect() as conn:
+        raw = conn.connection.driver_connection
+        values = [compiled.params[name] for name in compiled.positiontup]
+        args = ", ".join(psycopg.sql.Literal(v).as_string(raw) for v in values)
+        conn.exec_driver_sql("SET plan_cache_mode = force_generic_plan")
+        conn.exec_driver_sql("PREPARE bounded_depth AS " + compiled.string)
+        sql = f"EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE bounded_depth({args})"
+        (plan,) = conn.exec_driver_sql(sql).scalar_one()
+        generic = conn.exec_driver_sql(
+            "SELECT generic_plans FROM pg_prepared_statements WHERE name = 'bounded_depth'"
+        ).scalar_one()
+        conn.exec_driver_sql("DEALLOCATE bounded_depth")
+        conn.exec_driver_sql("RESET plan_cache_mode")
+    assert generic == 1
+    assert_each_read_stops_at_the_cap(plan)
+
+
+def test_a_bounded_count_stops_at_the_cap_on_mariadb(mariadb):
+    """MariaDB reads each range in index order and stops (``ANALYZE`` counts the rows read): the
+    rows without a schedule are ordered by id there, since it would sort the whole range for
+    ``scheduled_at, id`` (``IS NULL`` is no constant for its ORDER BY); and the leases come from
+    the lock-token index, not from a scan of another index in GROUP BY order."""
+    now = datetime.now(timezone.utc)
+    q = DelayedQueue[dict]("q")
+    with mariadb.Session() as s, s.begin():
+        q.offer_batch(s, [(f"d{i}", {}, now - timedelta(seconds=i + 1)) for i in range(1000)])
+        q.offer_batch(s, [(f"s{i}", {}, now + timedelta(seconds=i + 1)) for i in range(1000)])
+        q.offer_batch(s, [(f"x{i}", {}, now - timedelta(hours=1)) for i in range(1000)])
+    with mariadb.engine.begin() as conn:
+        conn.execute(
+            sa.update(T).where(T.c.key.like("x%")).values(status="dead", scheduled_at=None)
+        )
+        conn.exec_driver_sql("ANALYZE TABLE delayed_queue")
+    compiled = bounded_stats_stmt(T, ["q"], now, CAP).compile(
+        dialect=mariadb.engine.dialect, compile_kwargs={"render_postcompile": True}
+    )
+    # As DateTimeUTC stores them there: naive UTC.
+    params = {
+        k: v.replace(tzinfo=None) if isinstance(v, datetime) else v
+        for k, v in compiled.params.items()
+    }
+    with mariadb.engine.connect() as conn:
+        doc = conn.exec_driver_sql("ANALYZE FORMAT=JSON " + compiled.string, params).scalar_one()
+    tables, sorts = maria_reads(json.loads(doc))
+    # The table itself is read through the due index (three ranges, CAP + 1 rows each) and the
+    # lock-token index (no lease here); nothing sorts its rows, only the leases' GROUP BY.
+    assert sorted(tables) == [
+        ("ix_delayed_queue_due", CAP + 1),
+        ("ix_delayed_queue_due", CAP + 1),
+        ("ix_delayed_queue_due", CAP + 1),
+        ("ix_delayed_queue_lock_token", 0),
+    ], doc
+    assert all("delayed_queue." not in key for key in sorts), doc
+
+
+def maria_reads(node, tables=None, sorts=None):
+    """(index, rows read) of each access to the message table, and every filesort key, in a
+    MariaDB ``ANALYZE FORMAT=JSON`` document."""
+    tables = [] if tables is None else tables
+    sorts = [] if sorts is None else sorts
+    if isinstance(node, dict):
+        table = node.get("table")
+        if isinstance(table, dict) and table.get("table_name") == "delayed_queue":
+            tables.append((table.get("key"), int(table["r_rows"])))
+        if "sort_key" in node:
+            sorts.append(node["sort_key"])
+        for value in node.values():
+            maria_reads(value, tables, sorts)
+    elif isinstance(node, list):
+        for value in node:
+            maria_reads(value, tables, sorts)
+    return tables, sorts

@@ -30,6 +30,7 @@ from sqla_delayedq import (
     NackOutcome,
     Outcome,
 )
+from sqla_delayedq.errors import InvalidArgument
 from sqla_delayedq.metrics import (
     CompositeHooks,
     OtelHooks,
@@ -220,6 +221,7 @@ def test_collector_caches_between_scrapes(backend: Backend) -> None:
         DelayedQueue[Any]("emails").offer(s, "d", {})
     assert sample(registry, "delayedq_messages", queue="emails", state="due") == 2
     collector.cache.min_interval = 0
+    collector.cache.max_read_share = None  # no wait after the last read's duration either
     assert sample(registry, "delayedq_messages", queue="emails", state="due") == 3
 
 
@@ -230,6 +232,118 @@ def test_collector_of_named_queues_reports_empty_ones_as_zero(backend: Backend) 
     QueueStatsCollector(backend.Session, queues=["idle"], min_interval=0).register(registry)
     assert sample(registry, "delayedq_messages", queue="idle", state="due") == 0
     assert sample(registry, "delayedq_messages", queue="emails", state="due") is None
+
+
+on_all_backends = pytest.mark.parametrize(
+    "backend", ["sqlite", "postgresql", "mariadb"], indirect=True
+)
+
+
+@on_all_backends
+def test_collector_counts_are_bounded_and_flag_the_counts_that_stopped(backend: Backend) -> None:
+    """emails holds 2 due, 1 scheduled, 1 in flight, 1 dead: with at_most=1 the due count
+    stops at 1 and says so; the others are exact."""
+    seed(backend)
+    registry = CollectorRegistry()
+    QueueStatsCollector(backend.Session, min_interval=0, at_most=1).register(registry)
+    depth = {
+        state: sample(registry, "delayedq_messages", queue="emails", state=state)
+        for state in ("due", "scheduled", "in_flight", "dead", "done")
+    }
+    capped = {
+        state: sample(registry, "delayedq_messages_capped", queue="emails", state=state)
+        for state in ("due", "scheduled", "in_flight", "dead", "done")
+    }
+    assert depth == {"due": 1, "scheduled": 1, "in_flight": 1, "dead": 1, "done": 0}
+    assert capped == {"due": 1, "scheduled": 0, "in_flight": 0, "dead": 0, "done": 0}
+    lag = sample(registry, "delayedq_oldest_due_lag_seconds", queue="emails")
+    assert lag is not None and 60 <= lag < 600
+
+
+@on_pg_and_sqlite
+def test_collector_is_bounded_by_default_and_exact_on_request(backend: Backend) -> None:
+    seed(backend)
+    assert QueueStatsCollector(backend.Session).cache.at_most == 1_000
+    assert StatsCache(backend.Session).at_most == 1_000
+    registry = CollectorRegistry()
+    QueueStatsCollector(backend.Session, min_interval=0, at_most=None).register(registry)
+    assert sample(registry, "delayedq_messages", queue="emails", state="due") == 2
+    assert sample(registry, "delayedq_messages_capped", queue="emails", state="due") == 0
+
+
+class ManualSeconds:
+    """A monotonic clock that moves when told; a read of the table takes ``read`` seconds."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.read = 0.5
+        self.reads: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_stats_cache_spends_at_most_one_percent_of_the_time_reading(backend: Backend) -> None:
+    clock = ManualSeconds()
+
+    def sessions() -> Session:
+        clock.now += clock.read
+        clock.reads.append(clock.now)
+        return backend.Session()
+
+    cache = StatsCache(sessions, min_interval=10, clock=clock)
+    cache.get()
+    assert (clock.reads, cache.interval) == ([0.5], 50.0)  # a 0.5 s read: 50 s to the next
+    for clock.now in (10.5, 40.0, 50.49):
+        assert cache.get()[2] == 0.5
+    assert clock.reads == [0.5]
+    clock.now, clock.read = 50.5, 0.0625
+    cache.get()
+    assert (clock.reads, cache.interval) == ([0.5, 50.5625], 10.0)  # fast again: min_interval
+    clock.now = 60.5
+    cache.get()
+    assert clock.reads == [0.5, 50.5625]
+    clock.now = 60.5625
+    cache.get()
+    assert clock.reads == [0.5, 50.5625, 60.625]
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_stats_cache_without_a_read_share_waits_min_interval_only(backend: Backend) -> None:
+    clock = ManualSeconds()
+
+    def slow() -> Session:
+        clock.now += 30.0
+        clock.reads.append(clock.now)
+        return backend.Session()
+
+    cache = StatsCache(slow, min_interval=10, max_read_share=None, clock=clock)
+    cache.get()
+    assert cache.interval == 10
+    clock.now = 40.0
+    cache.get()
+    assert clock.reads == [30.0, 70.0]
+    with pytest.raises(InvalidArgument, match="max_read_share"):
+        StatsCache(backend.Session, max_read_share=0)
+
+
+def test_a_failed_read_counts_against_the_budget_too() -> None:
+    clock = ManualSeconds()
+
+    def broken() -> Session:
+        clock.now += 2.0
+        clock.reads.append(clock.now)
+        raise ConnectionError("database down")
+
+    cache = StatsCache(broken, min_interval=10, clock=clock)
+    assert cache.get() == ([], False, 2.0)
+    clock.now = 150.0
+    cache.get()
+    assert clock.reads == [2.0]  # 200 s after a 2 s attempt
+    clock.now = 202.0
+    cache.get()
+    assert clock.reads == [2.0, 204.0]
 
 
 def test_collector_reports_a_failed_read_as_down() -> None:
@@ -264,6 +378,7 @@ def test_serve_prometheus_exposes_depth_and_worker_metrics(backend: Backend) -> 
     hooks.processed("emails", envelope(queue="emails"), 0.1)
     text = scrape(port)
     assert 'delayedq_messages{queue="emails",state="due"} 2.0' in text
+    assert 'delayedq_messages_capped{queue="emails",state="due"} 0.0' in text
     assert 'delayedq_processed_total{queue="emails"} 1.0' in text
 
 
@@ -337,6 +452,20 @@ def test_otel_gauges_report_depth_and_lag(
     assert depth == {"due": 2, "scheduled": 1, "in_flight": 1, "dead": 1, "done": 0}
     (lag,) = found["delayedq.queue.lag"]
     assert 60 <= lag.value < 600
+    assert {p.value for p in found["delayedq.queue.depth.capped"]} == {0}
+
+
+@on_pg_and_sqlite
+def test_otel_gauges_flag_counts_that_stopped_at_the_cap(
+    backend: Backend, meter_provider: MeterProvider, reader: InMemoryMetricReader
+) -> None:
+    seed(backend)
+    observe_queues(backend.Session, meter=meter_provider.get_meter("t"), min_interval=0, at_most=1)
+    found = points(reader)
+    depth = {p.attributes["state"]: p.value for p in found["delayedq.queue.depth"]}
+    capped = {p.attributes["state"]: p.value for p in found["delayedq.queue.depth.capped"]}
+    assert depth == {"due": 1, "scheduled": 1, "in_flight": 1, "dead": 1, "done": 0}
+    assert capped == {"due": 1, "scheduled": 0, "in_flight": 0, "dead": 0, "done": 0}
 
 
 @pytest.fixture
