@@ -32,6 +32,7 @@ from sqlalchemy import (
     or_,
     select,
     true,
+    tuple_,
     type_coerce,
     update,
 )
@@ -451,17 +452,19 @@ def next_pending(t: Table, queue: Any) -> ColumnElement[Any]:
     (a take of one), read in the take's own statement, so a transactional consumer knows
     whether to take again without an empty take to find out.
 
-    A plain read of the ``due`` index (one probe past the taken row): rows other consumers
-    hold count (they are due, so the consumer takes again and may find nothing), and rows
-    offered after the statement began do not (their offers wake the consumer).
+    A plain read of the ``due`` index that starts just past the taken row, in the take's own
+    order, so it never walks again what the take walked (under a pinned vacuum horizon, the
+    dead entries of every message handled since: a second walk doubled the take's cost). Rows
+    before the taken one are held by other consumers (the take skipped them as locked): they
+    are not this consumer's to take, and do not count. Rows offered after the statement began
+    do not count either (their offers wake the consumer).
     """
     other = t.alias("ahead")
     return (
         select(other.c.scheduled_at)
         .where(
             other.c.queue == queue,
-            other.c.scheduled_at.is_not(None),
-            other.c.id != t.c.id,
+            tuple_(other.c.scheduled_at, other.c.id) > tuple_(t.c.scheduled_at, t.c.id),
         )
         .order_by(other.c.scheduled_at, other.c.id)
         .limit(1)
