@@ -27,11 +27,13 @@ from typing import Any, ClassVar, NamedTuple, ParamSpec, TypeVar
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     String,
     Table,
     any_,
     bindparam,
     delete,
+    event,
     func,
     literal,
     select,
@@ -41,9 +43,9 @@ from sqlalchemy import cast as sa_cast
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.dialects.postgresql import ARRAY
-from sqlalchemy.engine import URL, Dialect
+from sqlalchemy.engine import URL, Connection, Dialect, Engine
 from sqlalchemy.orm import Session
-from sqlalchemy.sql import Insert
+from sqlalchemy.sql import ColumnElement, Insert
 
 from . import _statements as st
 from ._engine import Family, family, is_mariadb
@@ -241,7 +243,9 @@ class Strategy(abc.ABC):
         stmt = self.cached(
             t,
             f"due:{grouping}:{boosted}",
-            lambda: st.select_due(t, P.queue, P.now, P.limit, self.poll_lock, grouping, boosted),
+            lambda: st.select_due(
+                t, P.queue, P.now, P.limit, self.poll_lock, grouping, boosted, self.group_hold()
+            ),
         )
         return session.execute(stmt, P.take(queue, now, now, limit, "")).all()
 
@@ -281,6 +285,12 @@ class Strategy(abc.ABC):
                 "pending: build the engine with sqla_delayedq.create_engine, or pass "
                 "isolation_level='READ COMMITTED'"
             )
+
+    def group_hold(self) -> st.GroupLock | None:
+        """How a transactional take holds the groups of the messages it takes until its
+        transaction ends (see :func:`st.group_head`); None where no other take can run
+        meanwhile (SQLite has one writer)."""
+        return None
 
     def claim(
         self,
@@ -359,7 +369,7 @@ class Strategy(abc.ABC):
             t,
             f"consume:{grouping}:{boosted}:{ahead}",
             lambda: st.consume_returning(
-                t, P.queue, P.now, P.limit, skip_locked, grouping, boosted, ahead
+                t, P.queue, P.now, P.limit, skip_locked, grouping, boosted, ahead, self.group_hold()
             ),
         )
         rows = list(session.execute(stmt, P.take(queue, now, now, limit, "")).all())
@@ -372,6 +382,18 @@ class Strategy(abc.ABC):
         if isinstance(exc, TransientError):
             return True
         return isinstance(exc, sa_exc.DBAPIError) and bool(exc.connection_invalidated)
+
+
+#: The seed of the advisory lock keys of groups (``hashtextextended``): keeps them apart from
+#: the keys other code of the application hashes from the same text.
+GROUP_LOCK_SEED = 0x6471_6772  # "dqgr"
+
+
+def _hold_group(queue: ColumnElement[Any], group: ColumnElement[Any]) -> ColumnElement[bool]:
+    """PostgreSQL: a transaction-scoped advisory lock on the group, tried without waiting. Two
+    groups whose keys hash alike only wait for each other, never run together."""
+    key = func.hashtextextended(queue + " " + group, GROUP_LOCK_SEED)
+    return func.pg_try_advisory_xact_lock(key, type_=Boolean)
 
 
 class PostgreSQLStrategy(Strategy):
@@ -392,6 +414,9 @@ class PostgreSQLStrategy(Strategy):
     max_params = 60_000
     has_notify = True
     keeps_statistics = True
+
+    def group_hold(self) -> st.GroupLock:
+        return _hold_group
 
     @staticmethod
     def channel(table: str) -> str:
@@ -481,7 +506,16 @@ class PostgreSQLStrategy(Strategy):
             t,
             f"claim:{grouping}:{boosted}:{relaxed}",
             lambda: st.claim_returning(
-                t, P.queue, P.now, P.until, P.limit, P.prefix, grouping, boosted, relaxed
+                t,
+                P.queue,
+                P.now,
+                P.until,
+                P.limit,
+                P.prefix,
+                grouping,
+                boosted,
+                relaxed,
+                self.group_hold(),
             ),
         )
         rows = session.execute(stmt, P.take(queue, now, lease_until, limit, prefix)).all()
@@ -506,6 +540,47 @@ class PostgreSQLStrategy(Strategy):
             # No SQL state: the connection itself failed (refused while the server restarts).
             return isinstance(exc, sa_exc.OperationalError)
         return state in cls.TRANSIENT_STATES or state.startswith("08")
+
+
+#: ``Connection.info`` flag: the connection's transaction took named locks of groups.
+NAMED_LOCKS = "delayedq_group_locks"
+_releasing: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def _named_hold(queue: ColumnElement[Any], group: ColumnElement[Any]) -> ColumnElement[bool]:
+    """MariaDB/MySQL: a named lock on the group (``GET_LOCK``, not waiting; names are at most
+    64 characters, so the group is hashed). Named locks belong to the session, not to the
+    transaction: :func:`_release_at_end` gives them back when the transaction ends."""
+    name = func.concat("delayedq ", func.md5(func.concat(queue, " ", group)))
+    return func.get_lock(name, 0, type_=Boolean)
+
+
+def _release_at_end(session: Session) -> None:
+    """Give back the named locks the session's transaction takes, at its commit or rollback
+    (before either: the handlers of what it took have run by then)."""
+    conn = session.connection()
+    conn.info[NAMED_LOCKS] = True
+    engine = conn.engine
+    if engine not in _releasing:
+        event.listen(engine, "commit", _release_named_locks)
+        event.listen(engine, "rollback", _release_named_locks)
+        _releasing.add(engine)
+
+
+def _release_named_locks(conn: Connection) -> None:
+    if not conn.info.pop(NAMED_LOCKS, False):
+        return
+    try:
+        cursor = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+        try:
+            cursor.execute("DO RELEASE_ALL_LOCKS()")
+        finally:
+            cursor.close()
+    except Exception:
+        # A connection that cannot run this is lost, and its locks with its session; one that
+        # can must not go back to the pool holding them.
+        log.warning("could not release the group locks of a connection; closing it", exc_info=True)
+        conn.invalidate()
 
 
 class MySQLStrategy(Strategy):
@@ -587,6 +662,23 @@ class MySQLStrategy(Strategy):
         # for the FOR UPDATE that follows deadlock. A no-op ON DUPLICATE KEY UPDATE locks it
         # exclusively instead.
         return mysql.insert(t).on_duplicate_key_update(id=t.c.id)
+
+    def group_hold(self) -> st.GroupLock:
+        return _named_hold
+
+    def _due(
+        self,
+        session: Session,
+        t: Table,
+        queue: str,
+        now: datetime,
+        limit: int,
+        grouping: st.Grouping = None,
+        boosted: bool = False,
+    ) -> Any:
+        if grouping is not None:
+            _release_at_end(session)
+        return super()._due(session, t, queue, now, limit, grouping, boosted)
 
     def snapshot_may_be_old(self, session: Session) -> bool:
         """InnoDB's ``REPEATABLE READ`` reads from the snapshot of the transaction's first plain

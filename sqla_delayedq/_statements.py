@@ -8,7 +8,7 @@ serves repeated calls.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
@@ -27,6 +27,8 @@ from sqlalchemy import (
     cast,
     column,
     delete,
+    exists,
+    false,
     func,
     literal,
     or_,
@@ -203,15 +205,31 @@ def oldest_due(shape: Shape, queue: Any, now: Any) -> Select[Any]:
 Grouping = Literal["dead_skips", "dead_blocks"] | None
 
 
-def group_head(t: Table, grouping: Grouping) -> ColumnElement[bool]:
-    """A row that may be taken under its group's order: no group, or no message of its group
-    before it (by first schedule, then id) that is still pending (in flight, due, scheduled or
-    waiting for a retry) or, with ``dead_blocks``, dead. A probe of the ``group`` index.
+#: A transaction-scoped lock on one group (queue, group key), true when taken, never waiting
+#: (PostgreSQL's ``pg_try_advisory_xact_lock``): held by a transactional take until the handler's
+#: transaction ends, so no other take starts a message of that group meanwhile.
+GroupLock = Callable[[ColumnElement[Any], ColumnElement[Any]], ColumnElement[bool]]
 
-    Why this is exact under racing consumers: a message stays pending from its offer until it
+
+def group_head(
+    t: Table, grouping: Grouping, now: Any, hold: GroupLock | None = None
+) -> ColumnElement[bool]:
+    """A row that may be taken under its group's order: no group, or (1) no message of its
+    group before it (by first schedule, then id) that is still pending (in flight, due,
+    scheduled or waiting for a retry) or, with ``dead_blocks``, dead, and (2) no message of its
+    group in flight: held under a lease that has not run out, or (with ``hold``) taken by a
+    transaction still open. A probe of the ``group`` index each, the second only for a head.
+
+    Why (1) is exact under racing consumers: a message stays pending from its offer until it
     is acknowledged, so the message after it is not a head while it is taken, whatever its lock.
     The probe is a plain read in every backend (not a locking one, which ``SKIP LOCKED`` would
     let skip the taken head), and it sees every commit made before the statement began.
+
+    (2) covers a message offered (or rescheduled) with an earlier time than its group's message
+    in flight: it goes first in the group's order, so (1) alone would let it start beside the
+    other. A lease is a column, read like (1); a transactional take leaves no mark a plain read
+    sees until it commits, so it takes ``hold``, tried only for a head that passed the rest (a
+    ``CASE``: SQL does not otherwise promise the order a condition's parts are evaluated in).
     """
     if grouping is None:
         return true()
@@ -239,15 +257,32 @@ def group_head(t: Table, grouping: Grouping) -> ColumnElement[bool]:
         .limit(1)
         .scalar_subquery()
     )
-    return or_(t.c.group_key.is_(None), first == t.c.id)
+    leased = t.alias("leased")
+    busy = exists().where(
+        leased.c.queue == t.c.queue,
+        leased.c.group_key == t.c.group_key,
+        leased.c.group_key.is_not(None),
+        leased.c.status == "pending",
+        leased.c.lock_token.is_not(None),
+        leased.c.scheduled_at > now,  # the row itself is due, so never counts
+    )
+    free: ColumnElement[bool] = ~busy
+    if hold is not None:
+        free = case((busy, false()), else_=hold(t.c.queue, t.c.group_key))
+    return or_(t.c.group_key.is_(None), case((first == t.c.id, free), else_=false()))
 
 
 def take_filter(
-    t: Table, queue: Any, now: Any, grouping: Grouping, boosted: bool
+    t: Table,
+    queue: Any,
+    now: Any,
+    grouping: Grouping,
+    boosted: bool,
+    hold: GroupLock | None = None,
 ) -> ColumnElement[bool]:
-    """What a take may pick: due, the head of its group (a queue with groups), and with
-    ``boosted`` a priority above 0."""
-    cond = and_(due_filter(message_shape(t), queue, now), group_head(t, grouping))
+    """What a take may pick: due, the head of its group (a queue with groups; see
+    :func:`group_head` for ``hold``), and with ``boosted`` a priority above 0."""
+    cond = and_(due_filter(message_shape(t), queue, now), group_head(t, grouping, now, hold))
     return and_(cond, t.c.priority > 0) if boosted else cond
 
 
@@ -267,12 +302,13 @@ def select_due(
     lock: Lock,
     grouping: Grouping = None,
     boosted: bool = False,
+    hold: GroupLock | None = None,
 ) -> Select[Any]:
     """Due messages of one queue in schedule order: a range scan of the ``due`` index (heads
     of their groups only, when the queue has groups; see :func:`take_filter`)."""
     stmt = (
         select(*columns(t, TAKE_COLUMNS))
-        .where(take_filter(t, queue, now, grouping, boosted))
+        .where(take_filter(t, queue, now, grouping, boosted, hold))
         .order_by(*take_order(t, boosted))
         .limit(limit)
     )
@@ -360,6 +396,7 @@ def claim_returning(
     grouping: Grouping = None,
     boosted: bool = False,
     relaxed: bool = False,
+    hold: GroupLock | None = None,
 ) -> Update:
     """PostgreSQL: pick with ``SKIP LOCKED`` and take in one statement.
 
@@ -374,6 +411,9 @@ def claim_returning(
     wait for the WAL flush. Only for a transaction that holds nothing but the take (see
     ``_dialects.TAKE_ONLY``): a take lost to a server crash leaves the row as it was, to be taken
     again, like an expired lease.
+
+    ``hold`` (see :func:`group_head`): the lease marks the group busy once the take commits;
+    until then the lock keeps a transactional take of the group out, and the other way round.
     """
     shape = message_shape(t)
     picked = (
@@ -384,7 +424,7 @@ def claim_returning(
             t.c.scheduled_at.label("prev_scheduled_at"),
             t.c.priority.label("prio"),
         )
-        .where(take_filter(t, queue, now, grouping, boosted))
+        .where(take_filter(t, queue, now, grouping, boosted, hold))
         .order_by(*take_order(t, boosted))
         .limit(limit + 1)
         .with_for_update(skip_locked=True)
@@ -428,13 +468,15 @@ def consume_returning(
     grouping: Grouping = None,
     boosted: bool = False,
     ahead: bool = False,
+    hold: GroupLock | None = None,
 ) -> Any:
     """Take due rows by deleting them inside the caller's transaction (seed 002).
 
     The rows come back as they were; a rollback restores them, due at once. With ``ahead``
-    each row also carries ``next_at`` (see :func:`next_pending`).
+    each row also carries ``next_at`` (see :func:`next_pending`); ``hold``: see
+    :func:`group_head`.
     """
-    due = take_filter(t, queue, now, grouping, boosted)
+    due = take_filter(t, queue, now, grouping, boosted, hold)
     order = take_order(t, boosted)
     if skip_locked:
         picked = select(row_tid(t)).where(due).order_by(*order).limit(limit)

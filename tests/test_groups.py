@@ -218,3 +218,89 @@ def test_a_worker_takes_the_next_of_a_group_at_once_after_settling_its_head(
         while len(started) < 5 and time.monotonic() < deadline:
             time.sleep(0.02)
     assert len(started) == 5  # without the rule each would wait for the 30 s poll interval
+
+
+def test_a_message_back_dated_before_a_taken_one_waits_for_it_leased(backend: Backend) -> None:
+    """A late event offered with an earlier time than its group's message in flight goes
+    first in the group's order, but does not start beside it: the group is busy until the
+    taken message is settled (or its lease runs out)."""
+    clock = ManualClock(T0)
+    q = grouped(clock)
+    with backend.Session() as s, s.begin():
+        q.offer(s, "a1", {}, T0 - timedelta(seconds=1), group="A")
+    with backend.Session() as s, s.begin():
+        (a1,) = q.try_poll_many(s, 10, lease=timedelta(seconds=30))
+    with backend.Session() as s, s.begin():
+        q.offer(s, "a0", {}, T0 - timedelta(seconds=5), group="A")
+        q.offer(s, "b0", {}, T0 - timedelta(seconds=5), group="B")
+    with backend.Session() as s, s.begin():
+        assert keys(q.try_poll_many(s, 10)) == ["b0"]  # a1 still runs: a0 waits
+    with backend.Session() as s, s.begin():
+        assert q.ack(s, a1)
+    with backend.Session() as s, s.begin():
+        assert keys(q.try_poll_many(s, 10)) == ["a0"]
+
+
+def test_a_message_back_dated_before_a_lost_lease_is_taken_when_the_lease_runs_out(
+    backend: Backend,
+) -> None:
+    clock = ManualClock(T0)
+    q = grouped(clock)
+    with backend.Session() as s, s.begin():
+        q.offer(s, "a1", {}, T0 - timedelta(seconds=1), group="A")
+    with backend.Session() as s, s.begin():
+        q.try_poll_many(s, 10, lease=timedelta(seconds=30))
+    with backend.Session() as s, s.begin():
+        q.offer(s, "a0", {}, T0 - timedelta(seconds=5), group="A")
+    with backend.Session() as s, s.begin():
+        assert q.try_poll_many(s, 10) == []
+    clock.advance(timedelta(seconds=31))  # the consumer of a1 is presumed dead
+    with backend.Session() as s, s.begin():
+        assert keys(q.try_poll_many(s, 10)) == ["a0"]  # the group's order again
+
+
+def test_a_message_back_dated_before_a_taken_one_waits_for_it_transactional(
+    server_backend: Backend,
+) -> None:
+    """The transactional take of a1 holds it in a transaction that is still open; a0, offered
+    meanwhile with an earlier time, is not taken until that transaction ends. (SQLite has one
+    writer: the open take holds every other take back.)"""
+    backend = server_backend
+    clock = ManualClock(T0)
+    q = grouped(clock)
+    with backend.Session() as s, s.begin():
+        q.offer(s, "a1", {}, T0 - timedelta(seconds=1), group="A")
+    with backend.Session() as holder, holder.begin():
+        assert keys(q.consume(holder, 10)) == ["a1"]
+        with backend.Session() as s, s.begin():
+            q.offer(s, "a0", {}, T0 - timedelta(seconds=5), group="A")
+            q.offer(s, "b0", {}, T0 - timedelta(seconds=5), group="B")
+        with backend.Session() as s, s.begin():
+            assert keys(q.consume(s, 10)) == ["b0"]  # a1 is in flight: a0 waits
+        with backend.Session() as s, s.begin():
+            assert keys(q.try_poll_many(s, 10)) == []  # nor does a lease take it
+    with backend.Session() as s, s.begin():
+        assert keys(q.consume(s, 10)) == ["a0"]
+
+
+def test_a_transactional_take_gives_its_group_back_when_it_rolls_back(
+    server_backend: Backend,
+) -> None:
+    """The group stays held only while the take's transaction is open (on MariaDB the named
+    lock of the group is given back at the rollback, on the same pooled connection)."""
+    clock = ManualClock(T0)
+    q = grouped(clock)
+    with server_backend.Session() as s, s.begin():
+        q.offer(s, "a1", {}, T0 - timedelta(seconds=1), group="A")
+    for _ in range(3):
+        with server_backend.Session() as holder, holder.begin():
+            assert keys(q.consume(holder, 10)) == ["a1"]
+            holder.rollback()
+        with server_backend.Session() as holder:
+            holder.begin()
+            assert keys(q.try_poll_many(holder, 10)) == ["a1"]
+            holder.close()  # ends the transaction without a commit
+        with server_backend.Session() as s, s.begin():
+            (again,) = q.try_poll_many(s, 10)
+            assert again.key == "a1"
+            assert q.release(s, again)

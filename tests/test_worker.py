@@ -396,7 +396,9 @@ def test_an_offer_wakes_as_many_idle_consumers_as_its_messages_need(
 
     A take that found no more than it asked for ends its consumer's pass, so one message is one
     take. With 4 messages in batches of 2, two consumers wake; whichever pick saw a third row
-    takes again, and that take may find the last two gone (at most one empty take).
+    takes again, and that take may find the last two gone (at most one empty take). When the
+    two picks ran at once, neither saw a third row (each skipped the other's), and two takes
+    carry all four.
     """
     q: DelayedQueue[Any] = DelayedQueue("wake-n")
     handled: list[str] = []
@@ -413,7 +415,9 @@ def test_an_offer_wakes_as_many_idle_consumers_as_its_messages_need(
         assert wait_for(lambda: len(handled) == messages, 5)
         after = counter.settled()
     assert sorted(handled) == [f"k{i}" for i in range(messages)]
-    assert after[0] - before[0] == takes
+    # Two consumers picking at once skip each other's locked rows, so neither may see a row past
+    # its batch: then no one takes again, and the fewest takes that can carry them all is right.
+    assert -(-messages // batch_size) <= after[0] - before[0] <= takes
     assert after[1] - before[1] <= empty
 
 
