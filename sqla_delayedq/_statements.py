@@ -27,7 +27,6 @@ from sqlalchemy import (
     cast,
     column,
     delete,
-    exists,
     false,
     func,
     literal,
@@ -228,8 +227,13 @@ def group_head(
     (2) covers a message offered (or rescheduled) with an earlier time than its group's message
     in flight: it goes first in the group's order, so (1) alone would let it start beside the
     other. A lease is a column, read like (1); a transactional take leaves no mark a plain read
-    sees until it commits, so it takes ``hold``, tried only for a head that passed the rest (a
-    ``CASE``: SQL does not otherwise promise the order a condition's parts are evaluated in).
+    sees until it commits, so takes hold the group (``hold``) until their transaction ends.
+    Here ``hold`` is tried in the condition, only for a head that passed the rest (a ``CASE``:
+    SQL does not otherwise promise the order a condition's parts are evaluated in): for InnoDB,
+    whose locking read locks a row before the condition runs. PostgreSQL evaluates the
+    condition first, so its takes try ``hold`` on the rows they locked (:func:`holding`): a row
+    skipped as locked, or already deleted by a commit the statement's snapshot predates, would
+    otherwise hold its group for the rest of the taker's transaction.
     """
     if grouping is None:
         return true()
@@ -257,14 +261,31 @@ def group_head(
         .limit(1)
         .scalar_subquery()
     )
+    # A lease of the group that has not run out (the row itself is due, so never counts): read
+    # in the group index's order for the same reason (it walks the group's messages, never the
+    # queue's), and per head (an EXISTS would let the planner hash one read of every lease in
+    # the table: a scan of the whole table when the statistics are stale).
     leased = t.alias("leased")
-    busy = exists().where(
-        leased.c.queue == t.c.queue,
-        leased.c.group_key == t.c.group_key,
-        leased.c.group_key.is_not(None),
-        leased.c.status == "pending",
-        leased.c.lock_token.is_not(None),
-        leased.c.scheduled_at > now,  # the row itself is due, so never counts
+    busy = (
+        select(leased.c.id)
+        .where(
+            leased.c.queue == t.c.queue,
+            leased.c.group_key == t.c.group_key,
+            leased.c.group_key.is_not(None),
+            leased.c.status == "pending",
+            leased.c.lock_token.is_not(None),
+            # Not a range of the due index, which would walk every scheduled row of the queue.
+            func.coalesce(leased.c.scheduled_at, now) > now,
+        )
+        .order_by(
+            leased.c.queue,
+            leased.c.group_key,
+            leased.c.scheduled_at_initially,
+            leased.c.id,
+        )
+        .limit(1)
+        .scalar_subquery()
+        .is_not(None)
     )
     free: ColumnElement[bool] = ~busy
     if hold is not None:
@@ -416,6 +437,7 @@ def claim_returning(
     until then the lock keeps a transactional take of the group out, and the other way round.
     """
     shape = message_shape(t)
+    held = hold is not None and grouping is not None
     picked = (
         select(
             row_tid(t).label("row_tid"),
@@ -423,17 +445,20 @@ def claim_returning(
             t.c.lock_token.label("prev_token"),
             t.c.scheduled_at.label("prev_scheduled_at"),
             t.c.priority.label("prio"),
+            *([t.c.queue.label("q"), t.c.group_key.label("g")] if held else []),
         )
-        .where(take_filter(t, queue, now, grouping, boosted, hold))
+        .where(take_filter(t, queue, now, grouping, boosted))
         .order_by(*take_order(t, boosted))
         .limit(limit + 1)
         .with_for_update(skip_locked=True)
         .cte("picked")
     )
     order = (picked.c.prev_scheduled_at, picked.c.id)
+    chosen_rows = select(picked.c.row_tid, picked.c.prev_token, picked.c.prev_scheduled_at)
+    if held:
+        chosen_rows = chosen_rows.where(holding(picked, hold))
     chosen = (
-        select(picked.c.row_tid, picked.c.prev_token, picked.c.prev_scheduled_at)
-        .order_by(*((picked.c.prio.desc(), *order) if boosted else order))
+        chosen_rows.order_by(*((picked.c.prio.desc(), *order) if boosted else order))
         .limit(limit)
         .cte("chosen")
     )
@@ -459,6 +484,13 @@ def claim_returning(
     )
 
 
+def holding(picked: Any, hold: GroupLock) -> ColumnElement[bool]:
+    """Of rows a take locked (``picked``, with ``q`` and ``g``), those it may keep: no group, or
+    a group it could hold (see :func:`group_head`). Tried after the row locks, so a row skipped
+    as locked (or gone since the statement's snapshot) never holds its group."""
+    return or_(picked.c.g.is_(None), hold(picked.c.q, picked.c.g))
+
+
 def consume_returning(
     t: Table,
     queue: Any,
@@ -476,9 +508,20 @@ def consume_returning(
     each row also carries ``next_at`` (see :func:`next_pending`); ``hold``: see
     :func:`group_head`.
     """
-    due = take_filter(t, queue, now, grouping, boosted, hold)
+    due = take_filter(t, queue, now, grouping, boosted)
     order = take_order(t, boosted)
-    if skip_locked:
+    if skip_locked and hold is not None and grouping is not None:
+        locked = (
+            select(row_tid(t).label("row_tid"), t.c.queue.label("q"), t.c.group_key.label("g"))
+            .where(due)
+            .order_by(*order)
+            .limit(limit)
+            .with_for_update(skip_locked=True)
+            .subquery("picked")
+        )
+        picked = select(locked.c.row_tid).where(holding(locked, hold))
+        cond = row_tid(t) == any_(ArrayOf(picked))
+    elif skip_locked:
         picked = select(row_tid(t)).where(due).order_by(*order).limit(limit)
         cond = row_tid(t) == any_(ArrayOf(picked.with_for_update(skip_locked=True)))
     else:

@@ -13,6 +13,7 @@ from sqlalchemy.dialects.postgresql import asyncpg
 
 from sqla_delayedq import DelayedMessage, DelayedQueue
 from sqla_delayedq import _statements as st
+from sqla_delayedq._dialects import PostgreSQLStrategy
 from sqla_delayedq._cli_stats import bounded_stats_stmt
 
 T = cast(sa.Table, DelayedMessage.__table__)
@@ -203,15 +204,26 @@ def test_a_grouped_take_probes_the_group_index_with_10000_rows(pg, clock):
     with pg.engine.connect() as conn:
         conn.exec_driver_sql("ANALYZE delayed_queue")
         until = now + timedelta(minutes=5)
+        hold = PostgreSQLStrategy(conn.dialect).group_hold()
         for grouping in ("dead_skips", "dead_blocks"):
             for stmt in (
-                st.claim_returning(T, "orders", now, until, 10, "tok.", grouping),
-                st.consume_returning(T, "orders", now, 10, True, grouping),
+                st.claim_returning(T, "orders", now, until, 10, "tok.", grouping, hold=hold),
+                st.consume_returning(T, "orders", now, 10, True, grouping, hold=hold),
             ):
                 plan = explain(conn, stmt)
                 assert "ix_delayed_queue_due" in plan, plan
                 assert "ix_delayed_queue_group" in plan, plan
                 assert "Seq Scan" not in plan, plan
+                assert_lease_probe_reads_the_leases(plan)
+
+
+def assert_lease_probe_reads_the_leases(plan: str) -> None:
+    """The head's second probe (is a message of its group under a lease?) walks the group index
+    or the lock-token index (the rows under a lease): never the due index (every scheduled row
+    of the queue) or the whole table."""
+    probe = plan.split("SubPlan 2\n")[1].split("SubPlan")[0].split("CTE chosen")[0]
+    assert "ix_delayed_queue_group" in probe or "ix_delayed_queue_lock_token" in probe, plan
+    assert "ix_delayed_queue_due" not in probe and "Seq Scan" not in probe, plan
 
 
 # -- a queue with priorities: the boosted probe reads the priority index, in its order -----------
@@ -255,14 +267,16 @@ def test_the_group_probe_reads_the_group_index_on_a_table_analysed_when_empty(pg
         q.offer_batch(s, [(f"o{g}/{i}", {}, now, f"o{g}") for g in range(200) for i in range(20)])
     with pg.engine.connect() as conn:
         until = now + timedelta(minutes=5)
+        hold = PostgreSQLStrategy(conn.dialect).group_hold()
         for stmt in (
-            st.claim_returning(T, "orders", now, until, 1, "tok.", "dead_skips"),
-            st.consume_returning(T, "orders", now, 1, True, "dead_blocks"),
+            st.claim_returning(T, "orders", now, until, 1, "tok.", "dead_skips", hold=hold),
+            st.consume_returning(T, "orders", now, 1, True, "dead_blocks", hold=hold),
         ):
             plan = explain(conn, stmt)
-            probe = plan.split("SubPlan 1\n")[1]
+            probe = plan.split("SubPlan 1\n")[1].split("SubPlan 2\n")[0]
             assert "ix_delayed_queue_group" in probe, plan
             assert "ix_delayed_queue_due" not in probe, plan
+            assert_lease_probe_reads_the_leases(plan)
 
 
 # -- bounded depth: each count reads at most at_most + 1 rows of its index range (issue 19) -------
