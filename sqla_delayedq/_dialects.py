@@ -239,12 +239,20 @@ class Strategy(abc.ABC):
         limit: int,
         grouping: st.Grouping = None,
         boosted: bool = False,
+        transactional: bool = False,
     ) -> Any:
         stmt = self.cached(
             t,
-            f"due:{grouping}:{boosted}",
+            f"due:{grouping}:{boosted}:{transactional}",
             lambda: st.select_due(
-                t, P.queue, P.now, P.limit, self.poll_lock, grouping, boosted, self.group_hold()
+                t,
+                P.queue,
+                P.now,
+                P.limit,
+                self.poll_lock,
+                grouping,
+                boosted,
+                self.group_hold(transactional),
             ),
         )
         return session.execute(stmt, P.take(queue, now, now, limit, "")).all()
@@ -286,9 +294,10 @@ class Strategy(abc.ABC):
                 "isolation_level='READ COMMITTED'"
             )
 
-    def group_hold(self) -> st.GroupLock | None:
-        """How a transactional take holds the groups of the messages it takes until its
-        transaction ends (see :func:`st.group_head`); None where no other take can run
+    def group_hold(self, transactional: bool) -> st.GroupLock | None:
+        """How a take holds (or, for a lease take, checks) the groups of the messages it takes
+        (see :func:`st.group_head`): a transactional take holds them until its transaction
+        ends, since it leaves no mark a plain read sees. None where no other take can run
         meanwhile (SQLite has one writer)."""
         return None
 
@@ -359,7 +368,7 @@ class Strategy(abc.ABC):
         adds ``next_at`` to the row (see :func:`~sqla_delayedq._statements.next_pending`).
         """
         if not self.delete_returning:
-            picked = self._due(session, t, queue, now, limit, grouping, boosted)
+            picked = self._due(session, t, queue, now, limit, grouping, boosted, True)
             if picked:
                 session.execute(delete(t).where(t.c.id.in_([r.id for r in picked])))
             return list(picked)
@@ -369,7 +378,15 @@ class Strategy(abc.ABC):
             t,
             f"consume:{grouping}:{boosted}:{ahead}",
             lambda: st.consume_returning(
-                t, P.queue, P.now, P.limit, skip_locked, grouping, boosted, ahead, self.group_hold()
+                t,
+                P.queue,
+                P.now,
+                P.limit,
+                skip_locked,
+                grouping,
+                boosted,
+                ahead,
+                self.group_hold(True),
             ),
         )
         rows = list(session.execute(stmt, P.take(queue, now, now, limit, "")).all())
@@ -415,7 +432,9 @@ class PostgreSQLStrategy(Strategy):
     has_notify = True
     keeps_statistics = True
 
-    def group_hold(self) -> st.GroupLock:
+    def group_hold(self, transactional: bool) -> st.GroupLock:
+        # A lease take holds the group too: only for its own short transaction, with no extra
+        # round trip, and it keeps a lease take and a transactional one of a group apart.
         return _hold_group
 
     @staticmethod
@@ -515,7 +534,7 @@ class PostgreSQLStrategy(Strategy):
                 grouping,
                 boosted,
                 relaxed,
-                self.group_hold(),
+                self.group_hold(False),
             ),
         )
         rows = session.execute(stmt, P.take(queue, now, lease_until, limit, prefix)).all()
@@ -547,12 +566,21 @@ NAMED_LOCKS = "delayedq_group_locks"
 _releasing: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
+def _lock_name(queue: ColumnElement[Any], group: ColumnElement[Any]) -> ColumnElement[str]:
+    """The named lock of a group (names are at most 64 characters, so the group is hashed)."""
+    return func.concat("delayedq ", func.md5(func.concat(queue, " ", group)))
+
+
 def _named_hold(queue: ColumnElement[Any], group: ColumnElement[Any]) -> ColumnElement[bool]:
-    """MariaDB/MySQL: a named lock on the group (``GET_LOCK``, not waiting; names are at most
-    64 characters, so the group is hashed). Named locks belong to the session, not to the
-    transaction: :func:`_release_at_end` gives them back when the transaction ends."""
-    name = func.concat("delayedq ", func.md5(func.concat(queue, " ", group)))
-    return func.get_lock(name, 0, type_=Boolean)
+    """MariaDB/MySQL: a named lock on the group (``GET_LOCK``, not waiting). Named locks belong
+    to the session, not to the transaction: :func:`_release_at_end` gives them back when the
+    transaction ends."""
+    return func.get_lock(_lock_name(queue, group), 0, type_=Boolean)
+
+
+def _named_free(queue: ColumnElement[Any], group: ColumnElement[Any]) -> ColumnElement[bool]:
+    """MariaDB/MySQL: whether no session holds the group's named lock (``IS_FREE_LOCK``)."""
+    return func.is_free_lock(_lock_name(queue, group), type_=Boolean)
 
 
 def _release_at_end(session: Session) -> None:
@@ -663,8 +691,10 @@ class MySQLStrategy(Strategy):
         # exclusively instead.
         return mysql.insert(t).on_duplicate_key_update(id=t.c.id)
 
-    def group_hold(self) -> st.GroupLock:
-        return _named_hold
+    def group_hold(self, transactional: bool) -> st.GroupLock:
+        # A lease take only checks that no transactional take holds the group: its lease marks
+        # the group once it commits, and a named lock would cost it a statement to give back.
+        return _named_hold if transactional else _named_free
 
     def _due(
         self,
@@ -675,10 +705,11 @@ class MySQLStrategy(Strategy):
         limit: int,
         grouping: st.Grouping = None,
         boosted: bool = False,
+        transactional: bool = False,
     ) -> Any:
-        if grouping is not None:
+        if grouping is not None and transactional:
             _release_at_end(session)
-        return super()._due(session, t, queue, now, limit, grouping, boosted)
+        return super()._due(session, t, queue, now, limit, grouping, boosted, transactional)
 
     def snapshot_may_be_old(self, session: Session) -> bool:
         """InnoDB's ``REPEATABLE READ`` reads from the snapshot of the transaction's first plain

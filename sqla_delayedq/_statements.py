@@ -261,10 +261,11 @@ def group_head(
         .limit(1)
         .scalar_subquery()
     )
-    # A lease of the group that has not run out (the row itself is due, so never counts): read
-    # in the group index's order for the same reason (it walks the group's messages, never the
-    # queue's), and per head (an EXISTS would let the planner hash one read of every lease in
-    # the table: a scan of the whole table when the statistics are stale).
+    # A lease of the group that has not run out (the row itself is due, so never counts): any
+    # one row, by the group index (both its leading columns are given) or the lock-token index,
+    # the rows under a lease. Per head: an EXISTS would let PostgreSQL hash one read of every
+    # lease in the table (a scan of the whole table when the statistics are stale); no ORDER BY,
+    # which lets MariaDB walk the whole group index in its order instead of its group's range.
     leased = t.alias("leased")
     busy = (
         select(leased.c.id)
@@ -276,12 +277,6 @@ def group_head(
             leased.c.lock_token.is_not(None),
             # Not a range of the due index, which would walk every scheduled row of the queue.
             func.coalesce(leased.c.scheduled_at, now) > now,
-        )
-        .order_by(
-            leased.c.queue,
-            leased.c.group_key,
-            leased.c.scheduled_at_initially,
-            leased.c.id,
         )
         .limit(1)
         .scalar_subquery()

@@ -13,8 +13,8 @@ from sqlalchemy.dialects.postgresql import asyncpg
 
 from sqla_delayedq import DelayedMessage, DelayedQueue
 from sqla_delayedq import _statements as st
-from sqla_delayedq._dialects import PostgreSQLStrategy
 from sqla_delayedq._cli_stats import bounded_stats_stmt
+from sqla_delayedq._dialects import PostgreSQLStrategy
 
 T = cast(sa.Table, DelayedMessage.__table__)
 
@@ -204,7 +204,7 @@ def test_a_grouped_take_probes_the_group_index_with_10000_rows(pg, clock):
     with pg.engine.connect() as conn:
         conn.exec_driver_sql("ANALYZE delayed_queue")
         until = now + timedelta(minutes=5)
-        hold = PostgreSQLStrategy(conn.dialect).group_hold()
+        hold = PostgreSQLStrategy(conn.dialect).group_hold(True)
         for grouping in ("dead_skips", "dead_blocks"):
             for stmt in (
                 st.claim_returning(T, "orders", now, until, 10, "tok.", grouping, hold=hold),
@@ -267,7 +267,7 @@ def test_the_group_probe_reads_the_group_index_on_a_table_analysed_when_empty(pg
         q.offer_batch(s, [(f"o{g}/{i}", {}, now, f"o{g}") for g in range(200) for i in range(20)])
     with pg.engine.connect() as conn:
         until = now + timedelta(minutes=5)
-        hold = PostgreSQLStrategy(conn.dialect).group_hold()
+        hold = PostgreSQLStrategy(conn.dialect).group_hold(True)
         for stmt in (
             st.claim_returning(T, "orders", now, until, 1, "tok.", "dead_skips", hold=hold),
             st.consume_returning(T, "orders", now, 1, True, "dead_blocks", hold=hold),
