@@ -133,6 +133,9 @@ class Strategy(abc.ABC):
     batch_lock: ClassVar[st.Lock] = "update"
     #: Whether ``NOTIFY`` exists to wake listeners on commit.
     has_notify: ClassVar[bool] = False
+    #: Whether a grouped take reads a group's leases in the group index's order (see
+    #: :func:`st.group_head`).
+    ordered_group_probe: ClassVar[bool] = True
     #: Whether workers keep the planner's statistics of their tables fresh (``_planner``).
     keeps_statistics: ClassVar[bool] = False
     #: Whether ``UPDATE ... RETURNING`` exists.
@@ -253,6 +256,7 @@ class Strategy(abc.ABC):
                 grouping,
                 boosted,
                 self.group_hold(transactional),
+                self.ordered_group_probe,
             ),
         )
         return session.execute(stmt, P.take(queue, now, now, limit, "")).all()
@@ -633,6 +637,7 @@ class MySQLStrategy(Strategy):
     max_params = 60_000
     update_returning = False
     delete_returning = False
+    ordered_group_probe = False
     offer_lock = None
     batch_lock = None
 

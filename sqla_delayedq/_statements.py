@@ -211,7 +211,11 @@ GroupLock = Callable[[ColumnElement[Any], ColumnElement[Any]], ColumnElement[boo
 
 
 def group_head(
-    t: Table, grouping: Grouping, now: Any, hold: GroupLock | None = None
+    t: Table,
+    grouping: Grouping,
+    now: Any,
+    hold: GroupLock | None = None,
+    ordered: bool = True,
 ) -> ColumnElement[bool]:
     """A row that may be taken under its group's order: no group, or (1) no message of its
     group before it (by first schedule, then id) that is still pending (in flight, due,
@@ -261,27 +265,31 @@ def group_head(
         .limit(1)
         .scalar_subquery()
     )
-    # A lease of the group that has not run out (the row itself is due, so never counts): any
-    # one row, by the group index (both its leading columns are given) or the lock-token index,
-    # the rows under a lease. Per head: an EXISTS would let PostgreSQL hash one read of every
-    # lease in the table (a scan of the whole table when the statistics are stale); no ORDER BY,
-    # which lets MariaDB walk the whole group index in its order instead of its group's range.
+    # A lease of the group that has not run out (the row itself is due, so never counts), by
+    # the group index or the lock-token index (the rows under a lease), per head: an EXISTS
+    # would let PostgreSQL hash one read of every lease in the table, a scan of the whole table
+    # when the statistics are stale. With ``ordered`` (PostgreSQL, SQLite) in the group index's
+    # order, for the reason above: unordered, statistics that say the queue is nearly empty
+    # sent the probe through the due index, every row of the queue per head. Without (MariaDB),
+    # whose optimizer answers that order by walking the whole group index.
     leased = t.alias("leased")
-    busy = (
-        select(leased.c.id)
-        .where(
-            leased.c.queue == t.c.queue,
-            leased.c.group_key == t.c.group_key,
-            leased.c.group_key.is_not(None),
-            leased.c.status == "pending",
-            leased.c.lock_token.is_not(None),
-            # Not a range of the due index, which would walk every scheduled row of the queue.
-            func.coalesce(leased.c.scheduled_at, now) > now,
-        )
-        .limit(1)
-        .scalar_subquery()
-        .is_not(None)
+    leases = select(leased.c.id).where(
+        leased.c.queue == t.c.queue,
+        leased.c.group_key == t.c.group_key,
+        leased.c.group_key.is_not(None),
+        leased.c.status == "pending",
+        leased.c.lock_token.is_not(None),
+        # Not a range of the due index, which would walk every scheduled row of the queue.
+        func.coalesce(leased.c.scheduled_at, now) > now,
     )
+    if ordered:
+        leases = leases.order_by(
+            leased.c.queue,
+            leased.c.group_key,
+            leased.c.scheduled_at_initially,
+            leased.c.id,
+        )
+    busy = leases.limit(1).scalar_subquery().is_not(None)
     free: ColumnElement[bool] = ~busy
     if hold is not None:
         free = case((busy, false()), else_=hold(t.c.queue, t.c.group_key))
@@ -295,10 +303,12 @@ def take_filter(
     grouping: Grouping,
     boosted: bool,
     hold: GroupLock | None = None,
+    ordered: bool = True,
 ) -> ColumnElement[bool]:
     """What a take may pick: due, the head of its group (a queue with groups; see
-    :func:`group_head` for ``hold``), and with ``boosted`` a priority above 0."""
-    cond = and_(due_filter(message_shape(t), queue, now), group_head(t, grouping, now, hold))
+    :func:`group_head` for ``hold`` and ``ordered``), and with ``boosted`` a priority above 0."""
+    head = group_head(t, grouping, now, hold, ordered)
+    cond = and_(due_filter(message_shape(t), queue, now), head)
     return and_(cond, t.c.priority > 0) if boosted else cond
 
 
@@ -319,12 +329,13 @@ def select_due(
     grouping: Grouping = None,
     boosted: bool = False,
     hold: GroupLock | None = None,
+    ordered: bool = True,
 ) -> Select[Any]:
     """Due messages of one queue in schedule order: a range scan of the ``due`` index (heads
     of their groups only, when the queue has groups; see :func:`take_filter`)."""
     stmt = (
         select(*columns(t, TAKE_COLUMNS))
-        .where(take_filter(t, queue, now, grouping, boosted, hold))
+        .where(take_filter(t, queue, now, grouping, boosted, hold, ordered))
         .order_by(*take_order(t, boosted))
         .limit(limit)
     )

@@ -272,11 +272,28 @@ def test_the_group_probe_reads_the_group_index_on_a_table_analysed_when_empty(pg
             st.claim_returning(T, "orders", now, until, 1, "tok.", "dead_skips", hold=hold),
             st.consume_returning(T, "orders", now, 1, True, "dead_blocks", hold=hold),
         ):
-            plan = explain(conn, stmt)
-            probe = plan.split("SubPlan 1\n")[1].split("SubPlan 2\n")[0]
-            assert "ix_delayed_queue_group" in probe, plan
-            assert "ix_delayed_queue_due" not in probe, plan
-            assert_lease_probe_reads_the_leases(plan)
+            # A worker's statements are prepared: PostgreSQL may plan them once, for any values.
+            for plan in (explain(conn, stmt), explain_generic(conn, stmt)):
+                probe = plan.split("SubPlan 1\n")[1].split("SubPlan 2\n")[0]
+                assert "ix_delayed_queue_group" in probe, plan
+                assert "ix_delayed_queue_due" not in probe, plan
+                assert_lease_probe_reads_the_leases(plan)
+
+
+def explain_generic(conn, stmt) -> str:
+    """The plan PostgreSQL makes once for a prepared statement, whatever its values."""
+    compiled = stmt.compile(dialect=asyncpg.dialect(), compile_kwargs={"render_postcompile": True})
+    raw = conn.connection.driver_connection
+    values = [compiled.params[name] for name in compiled.positiontup]
+    args = ", ".join(psycopg.sql.Literal(v).as_string(raw) for v in values)
+    conn.exec_driver_sql("SET plan_cache_mode = force_generic_plan")
+    conn.exec_driver_sql("PREPARE generic_take AS " + compiled.string)
+    try:
+        rows = conn.exec_driver_sql(f"EXPLAIN EXECUTE generic_take({args})").scalars().all()
+    finally:
+        conn.exec_driver_sql("DEALLOCATE generic_take")
+        conn.exec_driver_sql("RESET plan_cache_mode")
+    return "\n".join(rows)
 
 
 # -- bounded depth: each count reads at most at_most + 1 rows of its index range (issue 19) -------
