@@ -600,9 +600,11 @@ def _release_at_end(session: Session) -> None:
 
 
 def _release_named_locks(conn: Connection) -> None:
-    if not conn.info.pop(NAMED_LOCKS, False):
-        return
+    if conn.invalidated or conn.closed:
+        return  # the session is gone, and its locks with it
     try:
+        if not conn.info.pop(NAMED_LOCKS, False):
+            return
         cursor = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
         try:
             cursor.execute("DO RELEASE_ALL_LOCKS()")
@@ -612,7 +614,8 @@ def _release_named_locks(conn: Connection) -> None:
         # A connection that cannot run this is lost, and its locks with its session; one that
         # can must not go back to the pool holding them.
         log.warning("could not release the group locks of a connection; closing it", exc_info=True)
-        conn.invalidate()
+        if not conn.invalidated:
+            conn.invalidate()
 
 
 class MySQLStrategy(Strategy):

@@ -285,17 +285,21 @@ KILL_OWN_CONNECTION = {
 }
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["plain", "grouped"])
 def test_a_lost_connection_in_a_transactional_handler_is_retried_not_a_failed_attempt(
-    server_backend, make_worker
+    server_backend, make_worker, grouped
 ):
     """DESIGN §7: a lost connection is a transient database error, retried; nothing is lost.
 
     The transaction that took the message is gone with the connection, so the message is due
     again at once; it must not count as a failed attempt (with ``max_attempts=1`` that would
-    make it dead).
+    make it dead). Grouped, the take held the group (a named lock on MariaDB): the group is
+    free again with the lost session, and the rollback of a dead connection does not fail.
     """
-    q: DelayedQueue[Any] = DelayedQueue("lost-connection", retry=ExponentialBackoff(max_attempts=1))
-    offer(server_backend, q, "m")
+    q: DelayedQueue[Any] = DelayedQueue(
+        "lost-connection", retry=ExponentialBackoff(max_attempts=1), groups=grouped
+    )
+    offer(server_backend, q, "m", group="g" if grouped else None)
     own_id, kill = KILL_OWN_CONNECTION[server_backend.name]
     calls: list[int] = []
 
