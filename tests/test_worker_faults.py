@@ -32,6 +32,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import sessionmaker
 
 from sqla_delayedq import DelayedQueue, EntityQueue, create_engine
+from sqla_delayedq.errors import TransientError
 from tests.worker_app import Job, deliveries, marks, metadata, with_retries
 
 pytestmark = pytest.mark.slow
@@ -470,10 +471,17 @@ def _start_fault_run(pg: Any, workers: Workers) -> dict[str, DelayedQueue[Any]]:
 
 
 def _fault_run_done(pg: Any, queues: dict[str, DelayedQueue[Any]]) -> bool:
-    return all(
-        distinct_delivered(pg.engine, q.name) == FAULT_RUN and counts(pg, q).pending == 0
-        for q in queues.values()
-    )
+    # The kills end this test's own pooled connections too: a read that meets one asks again.
+    for attempt in range(5):
+        try:
+            return all(
+                distinct_delivered(pg.engine, q.name) == FAULT_RUN and counts(pg, q).pending == 0
+                for q in queues.values()
+            )
+        except (TransientError, sa.exc.OperationalError):
+            if attempt == 4:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _check_fault_run(pg: Any, workers: Workers, queues: dict[str, DelayedQueue[Any]]) -> str:
