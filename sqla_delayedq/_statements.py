@@ -461,7 +461,7 @@ def claim_returning(
     )
     order = (picked.c.prev_scheduled_at, picked.c.id)
     chosen_rows = select(picked.c.row_tid, picked.c.prev_token, picked.c.prev_scheduled_at)
-    if held:
+    if held and hold is not None:
         chosen_rows = chosen_rows.where(holding(picked, hold))
     chosen = (
         chosen_rows.order_by(*((picked.c.prio.desc(), *order) if boosted else order))
