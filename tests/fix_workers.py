@@ -107,6 +107,13 @@ def make_worker(request: pytest.FixtureRequest) -> Callable[..., Any]:
     return AsyncRunner
 
 
+def waiting(worker: Any) -> int:
+    """How many of the worker's consumers wait for a wake-up (each took, and found its fill):
+    what a test waits for before it counts, rather than guessing with a sleep."""
+    rt = getattr(worker, "worker", worker)._rt
+    return 0 if rt is None else len(rt._waiting)
+
+
 @contextlib.contextmanager
 def running(worker: Any, drain_timeout: float = 10.0) -> Iterator[Any]:
     worker.start()

@@ -301,8 +301,8 @@ def test_pausing_stops_a_running_worker_and_resuming_restarts_it(backend, make_w
         with backend.Session() as s, s.begin():
             q.pause(s)
         # A take that began before the pause committed may still finish: a pause stops new
-        # takes within a poll interval, so offer after that.
-        time.sleep(0.5)
+        # takes within a poll interval, so offer after ten of them (room for a loaded machine).
+        time.sleep(2.0)
         offer(backend, q, "while-paused")
         time.sleep(1.0)  # five poll intervals
         assert handled == ["slow"]
@@ -311,8 +311,10 @@ def test_pausing_stops_a_running_worker_and_resuming_restarts_it(backend, make_w
         with backend.Session() as s, s.begin():
             q.resume(s)
         resumed = time.monotonic()
-        assert wait_for(lambda: handled == ["slow", "while-paused"], 10)
-        assert time.monotonic() - resumed < 1.5
+        assert wait_for(lambda: handled == ["slow", "while-paused"], 15)
+        # Within a poll (bench_controls times it); the bound only tells a worker that re-reads
+        # the controls from one that waits for its 30 s re-check.
+        assert time.monotonic() - resumed < 5.0
     assert q_pending(backend, q) == 0
 
 
@@ -373,8 +375,8 @@ def test_a_resume_from_another_process_wakes_an_idle_worker_through_notify(pg):
         url = pg.url.render_as_string(hide_password=False)
         subprocess.run([sys.executable, "-c", script, url], check=True, timeout=60)
         resumed = time.monotonic()
-        assert wait_for(lambda: bool(handled), 5)
-    assert handled[0] - resumed < 0.5
+        assert wait_for(lambda: bool(handled), 15)
+    assert handled[0] - resumed < 5.0  # woken, not at the 30 s poll (bench_controls times it)
 
 
 # -- the command line ---------------------------------------------------------------------------

@@ -796,18 +796,18 @@ def test_background_installer_survives_an_outage_and_stops(
         install(sessions, queue, config, interval=timedelta(minutes=5), lookahead=HOUR / 12)
     handle = install(sessions, queue, config, interval=0.05, lookahead=timedelta(minutes=5))
     try:
-        assert handle.wait_for_passes(3, timeout=5)
+        assert handle.wait_for_passes(3, timeout=30)
         assert handle.running and handle.successes == 0 and handle.consecutive_failures >= 3
         assert isinstance(handle.last_error, sa.exc.OperationalError)
 
         outage.clear()
-        assert handle.wait_for_passes(handle.passes + 2, timeout=5)
+        assert handle.wait_for_passes(handle.passes + 2, timeout=30)
         assert handle.consecutive_failures == 0 and handle.successes >= 1
         assert len(stored_keys(backend, queue, "bg")) == 5
 
         clock.advance(timedelta(minutes=2))
         handle.trigger()
-        assert handle.wait_for_passes(handle.passes + 2, timeout=5)
+        assert handle.wait_for_passes(handle.passes + 2, timeout=30)
         assert len(stored_keys(backend, queue, "bg")) == 7
     finally:
         assert handle.stop(timeout=5)

@@ -267,7 +267,7 @@ def test_a_programming_error_in_the_loop_stops_the_worker_instead_of_spinning(ba
             worker.run(install_signal_handlers=False)
     finally:
         stopper.cancel()
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 9  # stopped by itself, not by the 10 s stopper
     assert isinstance(worker.failure, AttributeError)
     critical = [r for r in caplog.records if r.levelno == logging.CRITICAL]
     assert critical and critical[0].exc_info is not None

@@ -120,7 +120,7 @@ def test_without_the_tables_a_worker_warns_once_and_works_on(
     monitor = monitor_worker(worker, heartbeat=0.05)
     with caplog.at_level(logging.WARNING, "sqla_delayedq"), running(worker):
         until(lambda: worker.hooks.all[1]._totals[0] == 3)  # type: ignore[attr-defined]
-        time.sleep(0.3)
+        until(lambda: monitor.disabled, timeout=10)  # its first beat found no tables
     warnings = [r for r in caplog.records if "dashboard's tables" in r.getMessage()]
     assert len(warnings) == 1 and "delayedq db upgrade" in warnings[0].getMessage()
     assert monitor.disabled
@@ -226,15 +226,15 @@ def test_a_cli_worker_appears_within_one_heartbeat_and_is_dead_soon_after_sigkil
 ) -> None:
     from sqla_delayedq.web._data import Data
 
-    heartbeat = 1.0
+    heartbeat = 2.0  # long enough that a loaded machine's late beat is not a missed one
     proc, lines = worker_process(
         "tests.cli_handlers:slow", "-q", "jobs", "--heartbeat", str(heartbeat)
     )
     until(lambda: any(" started: " in line for line in lines) or proc.poll() is not None, 60)
     assert proc.poll() is None, "".join(lines)
     started = time.monotonic()
-    [row] = until(lambda: worker_rows(backend), timeout=heartbeat, every=0.02)
-    assert time.monotonic() - started <= heartbeat
+    [row] = until(lambda: worker_rows(backend), timeout=15, every=0.02)
+    assert time.monotonic() - started <= heartbeat  # the first beat is at the start
     assert row["pid"] == proc.pid and row["started_by"] == "cli"
     assert row["queues"] == '["delayed_queue:jobs"]'
 
@@ -245,9 +245,9 @@ def test_a_cli_worker_appears_within_one_heartbeat_and_is_dead_soon_after_sigkil
     killed = time.monotonic()
     assert [w["state"] for w in data.workers() or []] == ["running"]  # not yet: no beat missed
 
-    until(lambda: [w["state"] for w in data.workers() or []] == ["dead"], timeout=10, every=0.05)
+    until(lambda: [w["state"] for w in data.workers() or []] == ["dead"], timeout=20, every=0.05)
     took = time.monotonic() - killed
-    assert took <= DEAD_AFTER_BEATS * heartbeat + 0.5, took
+    assert took <= DEAD_AFTER_BEATS * heartbeat + 2.0, took
     data.close()
 
     from starlette.testclient import TestClient

@@ -10,32 +10,63 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from sqla_delayedq import DelayedQueue, Outcome, TransientError, is_transient, run_in_transaction
 from sqla_delayedq.aio import AsyncQueue, run_in_transaction_async
 
+#: ``Connection.info`` flag: this pooled connection's lock wait was shortened.
+SHORT_WAIT = "test_short_lock_wait"
+
 
 def short_lock_timeout(session: Session) -> None:
     if session.get_bind().dialect.name == "postgresql":
         session.execute(text("SET LOCAL lock_timeout = '150ms'"))
-    else:
-        session.execute(text("SET SESSION innodb_lock_wait_timeout = 1"))
+        return
+    # MariaDB's setting outlives the transaction: give pooled connections back with the default,
+    # so that later tests sharing the pool wait for locks as long as the server says.
+    conn = session.connection()
+    conn.execute(text("SET SESSION innodb_lock_wait_timeout = 1"))
+    if isinstance(conn.engine.pool, sa.NullPool):
+        return  # closed on return
+    conn.info[SHORT_WAIT] = True
+    if not sa.event.contains(conn.engine, "checkin", _default_lock_wait):
+        sa.event.listen(conn.engine, "checkin", _default_lock_wait)
 
 
-def hold_row(backend: Any, q: DelayedQueue[Any], key: str, seconds: float) -> threading.Thread:
-    """A transaction that updates ``key`` and keeps its row lock for ``seconds``."""
+def _default_lock_wait(dbapi_connection: Any, record: Any) -> None:
+    if dbapi_connection is not None and record.info.pop(SHORT_WAIT, False):
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute("SET SESSION innodb_lock_wait_timeout = DEFAULT")
+        finally:
+            cursor.close()
+
+
+def hold_row(
+    backend: Any,
+    q: DelayedQueue[Any],
+    key: str,
+    seconds: float,
+    until: Callable[[], bool] | None = None,
+) -> threading.Thread:
+    """A transaction that updates ``key`` and keeps its row lock for ``seconds``, or only until
+    ``until()`` holds (at most ``seconds``)."""
     locked = threading.Event()
 
     def run() -> None:
         with backend.Session.begin() as s:
             q.offer(s, key, {"holder": True})
             locked.set()
-            time.sleep(seconds)
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline and not (until is not None and until()):
+                time.sleep(0.02)
 
     thread = threading.Thread(target=run)
     thread.start()
@@ -73,7 +104,8 @@ def test_run_in_transaction_runs_the_unit_of_work_again_until_it_commits(server_
         short_lock_timeout(s)
         return q.offer(s, "k", {"v": "mine"}).outcome
 
-    holder = hold_row(server_backend, q, "k", 1.5)
+    # Held until a second attempt starts: the first one was refused, however slow the machine.
+    holder = hold_row(server_backend, q, "k", 15, until=lambda: len(attempts) >= 2)
     try:
         outcome = run_in_transaction(server_backend.Session, work, attempts=30, initial_delay=0.1)
     finally:
@@ -129,7 +161,7 @@ def test_run_in_transaction_async_runs_the_work_again(async_server_backend):
         await s.run_sync(short_lock_timeout)
         return (await aq.offer(s, "k", {"v": "async"})).outcome
 
-    holder = hold_row(async_backend.sync, q, "k", 1.5)
+    holder = hold_row(async_backend.sync, q, "k", 15, until=lambda: len(attempts) >= 2)
     try:
         outcome = asyncio.run(
             run_in_transaction_async(async_backend.sessions, work, attempts=30, initial_delay=0.1)

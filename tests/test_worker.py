@@ -27,7 +27,7 @@ from sqla_delayedq._wakeup import parse as parse_wake
 from sqla_delayedq._wakeup import payload as wake_payload
 from sqla_delayedq.testing import Drained, assert_not_offered, drain, drain_async
 from sqla_delayedq.worker import Worker, WorkerHooks
-from tests.fix_workers import AsyncRunner, running
+from tests.fix_workers import AsyncRunner, running, waiting
 
 MODES = ("lease", "transactional")
 DEAD = NackOutcome.DEAD
@@ -218,7 +218,7 @@ def test_a_failing_transactional_handler_runs_at_most_max_attempts_times(backend
     worker = make_worker(backend, concurrency=4, poll_interval=0.02, listen=False)
     worker.register(q, handler, mode="transactional")
     with running(worker):
-        wait_for(lambda: pending(backend, q) == 0, 10, 0.05)
+        assert wait_for(lambda: pending(backend, q) == 0, 60, 0.05)
     repeated = {run: n for run, n in Counter(runs).items() if n > 1}
     assert repeated == {}, "an attempt ran again before its failure was recorded"
     assert sorted(runs) == sorted((k, a) for k in keys for a in (1, 2))
@@ -317,7 +317,9 @@ def test_a_lost_connection_in_a_transactional_handler_is_retried_not_a_failed_at
     )
     worker.register(q, handler, mode="transactional")
     with running(worker):
-        wait_for(lambda: bool(hooks.processed_) or any(f[4] is DEAD for f in hooks.failed_), 5)
+        assert wait_for(
+            lambda: bool(hooks.processed_) or any(f[4] is DEAD for f in hooks.failed_), 30
+        )
     with server_backend.Session() as s:
         info = q.get(s, "m")
     assert info is None or info.status != "dead", f"a lost connection buried it: {info}"
@@ -334,11 +336,12 @@ def test_an_idle_worker_wakes_on_an_offer_committed_in_this_process(backend, mak
     worker = make_worker(backend, concurrency=2, poll_interval=30, listen=False)
     worker.register(q, lambda env: handled.append(time.monotonic()))
     with running(worker):
-        time.sleep(0.5)  # every thread has polled once and sleeps for up to 30 s
+        # Every thread has polled once and sleeps for up to 30 s.
+        assert wait_for(lambda: waiting(worker) == 2, 30)
         offered = time.monotonic()
         offer(backend, q, "now")
-        assert wait_for(lambda: bool(handled), 5)
-    assert handled[0] - offered < 1.0
+        assert wait_for(lambda: bool(handled), 15)
+    assert handled[0] - offered < 10.0  # woken (bench L1 times it), not the 30 s poll
 
 
 def test_an_idle_worker_sleeps_only_until_the_next_due_message(backend, make_worker):
@@ -347,12 +350,12 @@ def test_an_idle_worker_sleeps_only_until_the_next_due_message(backend, make_wor
     worker = make_worker(backend, concurrency=2, poll_interval=30, listen=False)
     worker.register(q, lambda env: handled.append(utcnow()))
     with running(worker):
-        time.sleep(0.3)
+        assert wait_for(lambda: waiting(worker) == 2, 30)
         offered = utcnow()
         due = offered + timedelta(seconds=0.5)
         offer(backend, q, "soon", at=due)
-        assert wait_for(lambda: bool(handled), 5)
-    assert due <= handled[0] <= offered + timedelta(seconds=1.5)
+        assert wait_for(lambda: bool(handled), 15)
+    assert due <= handled[0] <= offered + timedelta(seconds=10)  # not the 30 s poll
 
 
 class Takes:
@@ -412,11 +415,14 @@ def test_an_offer_wakes_as_many_idle_consumers_as_its_messages_need(
     )
     worker.register(q, lambda env: handled.append(env.key))
     with running(worker):
-        before = counter.settled()  # every consumer took nothing once and sleeps for 30 s
+        # Every consumer took nothing once and sleeps for 30 s.
+        assert wait_for(lambda: waiting(worker) == 4, 30)
+        before = counter.settled()
         assert before == (4, 4)
         with backend.Session() as s, s.begin():
             q.offer_batch(s, [(f"k{i}", {}) for i in range(messages)])
-        assert wait_for(lambda: len(handled) == messages, 5)
+        assert wait_for(lambda: len(handled) == messages, 15)
+        assert wait_for(lambda: waiting(worker) == 4, 15)
         after = counter.settled()
     assert sorted(handled) == [f"k{i}" for i in range(messages)]
     # Two consumers picking at once skip each other's locked rows, so neither may see a row past
@@ -442,18 +448,21 @@ def test_an_offer_an_idle_consumer_takes_does_not_send_a_busy_one_looking_too(ba
     worker = make_worker(backend, concurrency=2, poll_interval=30, listen=False)
     worker.register(q, handler)
     with running(worker):
+        assert wait_for(lambda: waiting(worker) == 2, 30)
         before = counter.settled()
         offer(backend, q, "slow")
-        assert wait_for(lambda: counter.takes == before[0] + 1, 5)
-        counter.settled(0.2)
+        assert wait_for(lambda: counter.takes == before[0] + 1, 15)
+        assert wait_for(lambda: waiting(worker) == 1, 15)
         keys: list[str] = []
         for i in range(5):
             keys.append(f"k{i}")
             offer(backend, q, keys[-1])
-            assert wait_for(lambda: len(handled) == len(keys), 5)
-            counter.settled(0.2)  # the idle consumer waits again before the next offer
+            assert wait_for(lambda: len(handled) == len(keys), 15)
+            # The idle consumer waits again before the next offer.
+            assert wait_for(lambda: waiting(worker) == 1, 15)
         release.set()
-        assert wait_for(lambda: len(handled) == 6, 5)
+        assert wait_for(lambda: len(handled) == 6, 15)
+        assert wait_for(lambda: waiting(worker) == 2, 15)
         after = counter.settled()
     assert sorted(handled) == sorted([*keys, "slow"])
     assert (after[0] - before[0], after[1] - before[1]) == (6, 0)
@@ -513,6 +522,16 @@ def producer_process(backend: Any, queue: str) -> Iterator[Callable[[str], None]
         assert proc.wait(30) == 0
 
 
+def listening(backend: Any) -> bool:
+    """Whether a connection to the backend's database LISTENs (a worker's listener)."""
+    stmt = sa.text(
+        "SELECT count(*) FROM pg_stat_activity "
+        "WHERE datname = current_database() AND query LIKE 'LISTEN%'"
+    )
+    with backend.engine.connect() as conn:
+        return bool(conn.execute(stmt).scalar())
+
+
 def test_a_transactional_consumer_does_not_take_again_when_its_take_saw_nothing_more(
     pg, make_worker
 ):
@@ -526,12 +545,19 @@ def test_a_transactional_consumer_does_not_take_again_when_its_take_saw_nothing_
     worker = make_worker(pg, concurrency=2, poll_interval=30)
     worker.register(q, lambda env, session: handled.append(env.key), mode="transactional")
     with running(worker), producer_process(pg, "ahead") as offer_there:
+        # The listener LISTENs, then wakes every consumer once; only it brings the warm-up in
+        # (the poll is 30 s). Once that is handled and both consumers wait, counting starts.
+        assert wait_for(lambda: listening(pg), 30)
+        offer_there("warm-up")
+        assert wait_for(lambda: handled == ["warm-up"], 30)
+        assert wait_for(lambda: waiting(worker) == 2, 15)
         before = counter.settled()
-        offered: list[str] = []
+        offered: list[str] = ["warm-up"]
         for i in range(10):
             offered.append(f"k{i}")
             offer_there(offered[-1])
-            assert wait_for(lambda: len(handled) == len(offered), 10)
+            assert wait_for(lambda: len(handled) == len(offered), 15)
+        assert wait_for(lambda: waiting(worker) == 2, 15)
         after = counter.settled()
     assert handled == offered
     assert (after[0] - before[0], after[1] - before[1]) == (10, 0)
@@ -580,9 +606,9 @@ def test_a_transactional_consumer_sleeps_until_the_next_due_message_it_saw(backe
         with backend.Session() as s, s.begin():
             q.offer(s, "later", {}, at=due)
             q.offer(s, "now", {})
-        assert wait_for(lambda: len(handled) == 2, 10)
+        assert wait_for(lambda: len(handled) == 2, 15)
     assert [k for k, _ in handled] == ["now", "later"]
-    assert due <= handled[1][1] <= due + timedelta(seconds=3)
+    assert due <= handled[1][1] <= due + timedelta(seconds=10)  # not the 30 s poll
 
 
 def test_an_offer_to_another_queue_of_the_table_wakes_nobody(backend, make_worker):
@@ -591,6 +617,7 @@ def test_an_offer_to_another_queue_of_the_table_wakes_nobody(backend, make_worke
     worker = make_worker(backend, concurrency=2, poll_interval=30, listen=False)
     worker.register(mine, lambda env: None)
     with running(worker):
+        assert wait_for(lambda: waiting(worker) == 2, 30)
         before = counter.settled()
         offer(backend, DelayedQueue("theirs"), "k")
         assert counter.settled() == before
@@ -639,14 +666,14 @@ def test_a_long_lease_mode_handler_keeps_its_lease(backend, make_worker):
 
     def handler(env: Envelope[Any]) -> None:
         delivered.append(env.delivery)
-        time.sleep(4)
+        time.sleep(7)  # two extensions (each one at half the lease left: at least 1 s to spare)
 
     hooks = RecordingHooks()
     worker = make_worker(backend, concurrency=2, poll_interval=0.1, listen=False, hooks=hooks)
-    worker.register(q, handler, lease=timedelta(seconds=1.5))
+    worker.register(q, handler, lease=timedelta(seconds=3))
     offer(backend, q, "long")
     with running(worker):
-        assert wait_for(lambda: len(hooks.processed_) == 1, 10)
+        assert wait_for(lambda: len(hooks.processed_) == 1, 30)
     assert delivered == [Delivery.FIRST]  # the second thread never got it
     assert hooks.redelivered_ == []
     assert pending(backend, q) == 0

@@ -104,18 +104,18 @@ def test_an_entity_whose_lease_ran_out_is_redelivered_as_an_attempt(db, make_wor
 
 
 def test_a_long_lease_mode_entity_handler_keeps_its_lease(db, make_worker):
-    queue = EntityQueue(Order, lease=timedelta(seconds=1.5))
+    queue = EntityQueue(Order, lease=timedelta(seconds=3))
     add_scheduled(db, queue, 1)
     delivered: list[Delivery] = []
 
     def handler(envelope: Envelope[Order]) -> None:
         delivered.append(envelope.delivery)
-        time.sleep(4)
+        time.sleep(7)  # two extensions (each one at half the lease left: at least 1 s to spare)
 
     worker = make_worker(db, concurrency=2, poll_interval=0.1, listen=False)
     worker.register(queue, handler)
     with running(worker):
-        assert wait_for(lambda: counts(db, queue).succeeded == 1, 15)
+        assert wait_for(lambda: counts(db, queue).succeeded == 1, 30)
     assert delivered == [Delivery.FIRST]  # the other consumer never got it
 
 

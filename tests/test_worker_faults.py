@@ -360,7 +360,10 @@ def test_without_listen_an_idle_worker_finds_offers_within_the_poll_interval(
         f"\n{server_backend.name} polling latency (poll_interval 0.5 s, no LISTEN), 20 messages: "
         f"p50 {statistics.median(latencies) * 1000:.0f} ms, max {max(latencies) * 1000:.0f} ms"
     )
-    assert max(latencies) <= 0.5 + 0.3
+    # Offers at random moments wait half a poll (0.25 s) at the median; a worker that polled
+    # at its default interval (seconds) would fail both bounds, which leave room for CI load.
+    assert statistics.median(latencies) <= 0.5
+    assert max(latencies) <= 2.0
 
 
 # -- SIGKILL ----------------------------------------------------------------------------------
@@ -372,11 +375,12 @@ def test_sigkill_mid_handler_in_lease_mode_redelivers_after_the_lease(
 ):
     jobs = Jobs(server_backend, kind, "kill-lease")
     jobs.offer(["victim"])
-    common = jobs.args("--mode", "lease", "--lease", "2", "--poll", "0.2", "--marks")
+    # A 4 s lease: its heartbeat extends it with 2 s left, at least 1.5 s before it runs out.
+    common = jobs.args("--mode", "lease", "--lease", "4", "--poll", "0.2", "--marks")
     doomed = workers.spawn(*common, "--sleep", "30", "--concurrency", "1")
     assert wait_for(lambda: len(marks_of(server_backend.engine, "victim")) == 1, 30)
     survivor = workers.spawn(*common, "--sleep", "0", "--concurrency", "2")
-    time.sleep(2.5)  # the survivor is up; the doomed one's heartbeat has extended its lease
+    time.sleep(3.0)  # the survivor is up; the doomed one's heartbeat has extended its lease
     assert delivered(server_backend.engine, jobs.name) == []
     lease_until = jobs.due_at("victim")
     killed_at = time.time()
@@ -391,7 +395,9 @@ def test_sigkill_mid_handler_in_lease_mode_redelivers_after_the_lease(
     assert (row.key, row.delivery, row.pid) == ("victim", "redelivery", survivor.pid)
     assert row.attempt == 2  # the killed attempt counts
     assert row.started_at >= lease_until - 0.05  # not before the lease ran out
-    assert row.started_at - killed_at <= 2 + 1.5  # a lease, plus a poll and some slack
+    # After the lease, by a poll (0.2 s) and room for a loaded machine; a worker that waited
+    # for anything else (its default poll, a second lease) would be later.
+    assert row.started_at - lease_until <= 3.0
     assert [m.pid for m in marks_of(server_backend.engine, "victim")] == [doomed.pid, survivor.pid]
     assert wait_for(lambda: jobs.counts().pending == 0, 5)
 
@@ -455,7 +461,7 @@ def test_sigkill_mid_handler_in_transactional_mode_rolls_back_and_is_due_at_once
         ("victim", survivor.pid, "first", 1)
     ]
     assert rows[0].finished_at is not None
-    assert rows[0].started_at - killed_at < 1.5  # due at once: no lease to wait for
+    assert rows[0].started_at - killed_at < 10  # due at once: no 30 s lease to wait for
     assert [m.pid for m in marks_of(server_backend.engine, "victim")] == [doomed.pid, survivor.pid]
     assert wait_for(lambda: jobs.counts().pending == 0, 5)
 
@@ -618,9 +624,9 @@ def test_sigterm_drains_in_flight_handlers_and_takes_nothing_new(
     jobs.offer([f"s{i:02d}" for i in range(total)])
     proc = workers.spawn(*jobs.args(
         "--mode", mode, "--concurrency", "3", "--poll", "0.2",
-        "--sleep", "1.5", "--marks", "--drain", "10",
+        "--sleep", "3", "--marks", "--drain", "10",
     ))  # fmt: skip
-    # The first three are done and the next three are in flight (each runs 1.5 s, so the
+    # The first three are done and the next three are in flight (each runs 3 s, so the
     # seventh cannot start before the fourth ends).
     assert wait_for(lambda: len(marks_of(server_backend.engine)) >= 6, 30)
     signalled = time.time()
@@ -634,7 +640,9 @@ def test_sigterm_drains_in_flight_handlers_and_takes_nothing_new(
     )
     assert rc == 0
     assert took < 10  # the drain timeout
-    late = [m.key for m in started if m.at > signalled + 0.05]
+    # A take just before the signal may start its handler a moment after it; one taken after
+    # the signal would start only when a handler in flight ends, seconds later.
+    late = [m.key for m in started if m.at > signalled + 1.0]
     assert late == [], "handlers started after SIGTERM"
     assert len(started) >= 6
     for m in started:  # each handler that started finished, and recorded it
