@@ -442,6 +442,8 @@ def run_quick_form(
 
     if lease <= timedelta(0) or poll_interval <= timedelta(0) or heartbeat <= timedelta(0):
         raise BadInput("--lease, --poll-interval and --heartbeat must be greater than 0")
+    if handler_timeout is not None and handler_timeout <= timedelta(0):
+        raise BadInput("--handler-timeout must be greater than 0")
     if dead_blocks_group and not groups:
         raise BadInput("--dead-blocks-group needs --groups")
     if priority_aging is not None and not priorities:

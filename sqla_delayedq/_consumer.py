@@ -30,6 +30,7 @@ from . import _planner, controls
 from . import _statements as st
 from ._dialects import TAKE_ONLY, Listener, is_transient, strategy_class
 from ._leases import Ahead, LeasedQueue, Polled
+from ._time import require_duration
 from ._types import Envelope, NackOutcome
 from ._wakeup import Wake
 from .errors import InvalidArgument, WorkerError
@@ -51,6 +52,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("sqla_delayedq.worker")
+
+#: How often the heartbeat looks at the leases in flight at most (seconds); see ``_heartbeat``.
+HEARTBEAT_CHECK = 0.5
 
 #: Transient errors in a row that ``process_due`` retries before it raises the last one.
 PROCESS_DUE_RETRIES = 5
@@ -317,6 +321,32 @@ class Registration:
     batch: int | None = None
 
 
+def _require(
+    value: Any,
+    name: str,
+    *,
+    whole: bool = False,
+    least: float | None = None,
+    above: float | None = None,
+) -> None:
+    """Refuse a worker option that is not a number (an int where ``whole``) in its range."""
+    if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)):
+        kind = "an int" if whole else "a number"
+        raise InvalidArgument(f"{name} must be {kind}, got {type(value).__name__}")
+    number = float(value)
+    if least is not None and number < least:
+        raise InvalidArgument(f"{name} must be >= {least}, got {value}")
+    if above is not None and number <= above:
+        raise InvalidArgument(f"{name} must be > {above}, got {value}")
+
+
+def heartbeat_every(registrations: Sequence[Registration]) -> float:
+    """Seconds between the heartbeat's looks: every half second, or six times per shortest
+    lease of a lease-mode registration when that is sooner."""
+    leases = [r.lease.total_seconds() for r in registrations if r.mode == "lease"]
+    return min([HEARTBEAT_CHECK, *(lease / 6 for lease in leases)])
+
+
 class InFlight:
     """Envelopes being handled in lease mode, for the heartbeat and for shutdown."""
 
@@ -391,12 +421,10 @@ class BaseWorker(Generic[S]):
         keep_statistics: bool = True,
     ) -> None:
         concurrency = self.default_concurrency if concurrency is None else concurrency
-        if concurrency < 1:
-            raise InvalidArgument(f"concurrency must be >= 1, got {concurrency}")
-        if poll_interval <= 0:
-            raise InvalidArgument(f"poll_interval must be > 0, got {poll_interval}")
-        if batch_size < 1:
-            raise InvalidArgument(f"batch_size must be >= 1, got {batch_size}")
+        _require(concurrency, "concurrency", whole=True, least=1)
+        _require(poll_interval, "poll_interval", above=0)
+        _require(batch_size, "batch_size", whole=True, least=1)
+        _require(drain_timeout, "drain_timeout", least=0)
         self.sessions = sessions
         self.concurrency = concurrency
         self.poll_interval = poll_interval
@@ -430,7 +458,10 @@ class BaseWorker(Generic[S]):
             raise InvalidArgument("register handlers before starting the worker")
         src = check_source(source, where)
         self._check_handler(handler, where)
-        lease = kwargs.pop("lease", None) or src.lease
+        lease = kwargs.pop("lease", None)
+        lease = src.lease if lease is None else require_duration(lease, f"{where}: lease")
+        if kwargs.get("handler_timeout") is not None:
+            require_duration(kwargs["handler_timeout"], f"{where}: handler_timeout")
         self._registrations.append(Registration(src, handler, lease=lease, **kwargs))
         return self
 
@@ -854,10 +885,16 @@ class BaseWorker(Generic[S]):
         return Taken(1, True, None) if due_in <= 0 else Taken(1, False, due_in)
 
     def _heartbeat(self) -> None:
-        """Extend leases of long lease-mode handlers at half-lease, up to ``handler_timeout``."""
+        """Extend leases of long lease-mode handlers at half-lease, up to ``handler_timeout``.
+
+        It looks every half second, or six times per shortest lease when that is sooner, so an
+        extension comes with at least a third of the lease to spare (a 1 s lease is extended
+        with 0.33 s or more left, not 0.0-0.5 s).
+        """
         rt = self.rt
+        every = heartbeat_every(self._registrations)
         while not rt.stopping:
-            rt.pause(0.5)
+            rt.pause(every)
             now = time.monotonic()
             for reg, env, started in self._in_flight.snapshot():
                 remaining = (env.lease_until - reg.source.now()).total_seconds()

@@ -733,6 +733,10 @@ def test_db_upgrade_refuses_a_table_another_history_created(tmp_path: Path) -> N
         (["tests.cli_handlers:slow", "-q", "q", "--mode", "fast"], "'fast' is not one of"),
         (["tests.cli_handlers:slow", "-q", "q", "--lease", "0"], "must be greater than 0"),
         (["tests.cli_handlers:slow", "-q", "q", "--concurrency", "0"], "--concurrency"),
+        (
+            ["tests.cli_handlers:slow", "-q", "q", "--handler-timeout", "0"],
+            "--handler-timeout must be greater than 0",
+        ),
     ],
 )
 def test_worker_bad_input(

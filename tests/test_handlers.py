@@ -19,7 +19,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
 from sqla_delayedq import (
     DelayedQueue,
@@ -28,6 +28,7 @@ from sqla_delayedq import (
     InvalidArgument,
     MessageFilter,
     WorkerError,
+    create_engine,
 )
 from sqla_delayedq.aio import AsyncQueue, AsyncWorker
 from sqla_delayedq.worker import Worker, WorkerHooks
@@ -95,6 +96,71 @@ def test_workers_refuse_the_wrong_kind_of_handler_for_entity_queues_too(backend)
         AsyncWorker(backend.Session).register(EntityQueue(Order), sync_handler)
     with pytest.raises(InvalidArgument, match="expected a DelayedQueue or an EntityQueue"):
         Worker(backend.Session).register("emails", sync_handler)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "problem"),
+    [
+        ("lease", timedelta(seconds=-1), "must be > 0"),
+        ("lease", timedelta(0), "must be > 0"),
+        ("lease", 30, "must be a timedelta, got int"),
+        ("handler_timeout", timedelta(seconds=-5), "must be > 0"),
+        ("handler_timeout", "5s", "must be a timedelta, got str"),
+    ],
+)
+def test_workers_refuse_a_lease_or_handler_timeout_that_is_not_a_positive_timedelta(
+    option, value, problem
+):
+    """A negative lease would hand a running message to the next take at once; a number would
+    only fail inside the worker's loop. Both workers, both kinds of registration, refuse them."""
+    q: DelayedQueue[Any] = DelayedQueue("refused")
+    sessions: Any = sessionmaker(create_engine("sqlite://"))  # both workers refuse first
+
+    async def async_batch(envs: Any) -> None: ...
+
+    cases = [
+        lambda: Worker(sessions).register(q, sync_handler, **{option: value}),
+        lambda: Worker(sessions).register_batch(q, lambda envs: None, **{option: value}),
+        lambda: AsyncWorker(sessions).register(q, async_handler, **{option: value}),
+        lambda: AsyncWorker(sessions).register_batch(q, async_batch, **{option: value}),
+    ]
+    for register in cases:
+        with pytest.raises(InvalidArgument, match=f"register(_batch)?: {option} {problem}"):
+            register()
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "problem"),
+    [
+        ("concurrency", 2.5, "concurrency must be an int, got float"),
+        ("concurrency", True, "concurrency must be an int, got bool"),
+        ("poll_interval", "1", "poll_interval must be a number, got str"),
+        ("poll_interval", 0, "poll_interval must be > 0, got 0"),
+        ("batch_size", 0, "batch_size must be >= 1, got 0"),
+        ("drain_timeout", -1, "drain_timeout must be >= 0, got -1"),
+    ],
+)
+@pytest.mark.parametrize("kind", [Worker, AsyncWorker])
+def test_workers_refuse_options_out_of_range_or_of_the_wrong_type(kind, option, value, problem):
+    sessions: Any = sessionmaker(create_engine("sqlite://"))  # both workers refuse first
+    with pytest.raises(InvalidArgument, match=problem):
+        kind(sessions, **{option: value})
+
+
+def test_the_heartbeat_looks_often_enough_for_the_shortest_lease():
+    """Every half second, or six times per lease: a 1 s lease is extended with a third of it
+    left, where a half-second look could find it with nothing left."""
+    from sqla_delayedq._consumer import Registration, heartbeat_every
+
+    q: DelayedQueue[Any] = DelayedQueue("beats")
+
+    def reg(mode: str, seconds: float) -> Registration:
+        return Registration(q, sync_handler, mode, timedelta(seconds=seconds), None)  # type: ignore[arg-type]
+
+    assert heartbeat_every([]) == 0.5
+    assert heartbeat_every([reg("lease", 300)]) == 0.5
+    assert heartbeat_every([reg("lease", 300), reg("lease", 1.2)]) == pytest.approx(0.2)
+    assert heartbeat_every([reg("transactional", 0.6), reg("lease", 6)]) == 0.5
 
 
 # -- a handler that slips through fails; it is never acknowledged -------------------------------
