@@ -342,9 +342,10 @@ def _require(
 
 def heartbeat_every(registrations: Sequence[Registration]) -> float:
     """Seconds between the heartbeat's looks: every half second, or six times per shortest
-    lease of a lease-mode registration when that is sooner."""
+    lease of a lease-mode registration when that is sooner (but not more than 100 times a
+    second, whatever the lease)."""
     leases = [r.lease.total_seconds() for r in registrations if r.mode == "lease"]
-    return min([HEARTBEAT_CHECK, *(lease / 6 for lease in leases)])
+    return max(0.01, min([HEARTBEAT_CHECK, *(lease / 6 for lease in leases)]))
 
 
 class InFlight:
