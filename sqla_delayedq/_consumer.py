@@ -696,23 +696,24 @@ class BaseWorker(Generic[S]):
         (rows other consumers hold are theirs): no second, empty take of it.
         """
         next_due: float | None = None
-        for reg in self._registrations:
+        for i, reg in enumerate(self._registrations):
             if self.rt.stopping:
                 return True, None
-            taken = self._once(reg)
+            # After a full take the pass starts again from the first queue, so the first one
+            # may chain its takes to its acknowledgements without changing which queue goes next.
+            taken = self._once(reg, chain=i == 0)
             if taken.more:
                 return True, None
             if taken.due_in is not None:
                 next_due = min(next_due, taken.due_in) if next_due is not None else taken.due_in
         return False, next_due
 
-    def _once(self, reg: Registration) -> Taken:
-        """One take of ``reg``'s queue, handled."""
+    def _once(self, reg: Registration, chain: bool = False) -> Taken:
+        """One take of ``reg``'s queue, handled. With ``chain`` (lease mode), while takes come
+        back full, each last acknowledgement and the next take share one transaction."""
         if reg.mode == "transactional":
             return self._transactional_once(reg)
-        if reg.batch is not None:
-            return self._batch_once(reg)
-        return self._lease_once(reg)
+        return self._lease_once(reg, chain)
 
     def _idle(self, session: Session, reg: Registration) -> float | None:
         """After an empty take, in the same transaction: seconds until the next due row (None
@@ -746,60 +747,76 @@ class BaseWorker(Generic[S]):
         transaction, when the next row is due."""
         with self.rt.session() as s, s.begin():
             s.info[TAKE_ONLY] = True  # its commit need not wait for the WAL flush (PostgreSQL)
-            polled = reg.source.poll_batch(s, n, lease=reg.lease)
-            envs = polled.envelopes
-            if polled.more:
-                return envs, Taken(len(envs), True, None)
-            if polled.held:  # paused or at a limit: due rows wait for the controls
-                return envs, Taken(len(envs), False, polled.wait)
-            return envs, Taken(len(envs), False, self._idle(s, reg))
+            return self._take_in(s, reg, n)
 
-    def _lease_once(self, reg: Registration) -> Taken:
-        envs, taken = self._take(reg, self.batch_size)
-        if not envs:
-            return taken
-        self._in_flight.add(reg, *envs)
-        for i, env in enumerate(envs):
-            if self.rt.stopping:
-                for rest in envs[i:]:
-                    self._settle(reg, rest, "release")
-                    self._in_flight.pop(reg, rest)
+    def _take_in(self, s: Session, reg: Registration, n: int) -> tuple[list[Envelope[Any]], Taken]:
+        polled = reg.source.poll_batch(s, n, lease=reg.lease)
+        envs = polled.envelopes
+        if polled.more:
+            return envs, Taken(len(envs), True, None)
+        if polled.held:  # paused or at a limit: due rows wait for the controls
+            return envs, Taken(len(envs), False, polled.wait)
+        return envs, Taken(len(envs), False, self._idle(s, reg))
+
+    def _lease_once(self, reg: Registration, chain: bool = False) -> Taken:
+        """Take, handle and acknowledge in lease mode: one message at a time (up to
+        ``batch_size`` per take), or a batch handler's batch at once.
+
+        With ``chain``, a take that came back full is followed by the next without a
+        transaction of its own: the last acknowledgement takes the next envelopes in its
+        transaction (:meth:`_ack`), one commit fewer per take. A stop, a failed handler or a
+        partial take ends the chain, and the consumer's loop goes on as usual.
+        """
+        size = reg.batch or self.batch_size
+        envs, taken = self._take(reg, size)
+        handled = 0
+        while envs:
+            handled += len(envs)
+            self._in_flight.add(reg, *envs)
+            then = size if chain and taken.more else 0
+            if reg.batch is not None:
+                self._observe(reg, *envs)
+                after = self._handle(reg, envs, envs, then)
+            else:
+                after = None
+                for i, env in enumerate(envs):
+                    if self.rt.stopping:
+                        for rest in envs[i:]:
+                            self._settle(reg, rest, "release")
+                            self._in_flight.pop(reg, rest)
+                        break
+                    self._observe(reg, env)
+                    after = self._handle(reg, [env], env, then if i == len(envs) - 1 else 0)
+            if after is None:
                 break
-            self._observe(reg, env)
-            self._handle(reg, [env], env)
-        return _after_groups(taken, envs)
+            envs, taken = after
+        return _after_groups(taken._replace(handled=handled), envs)
 
-    def _handle(self, reg: Registration, envs: list[Envelope[Any]], arg: Any) -> None:
-        """Run the handler on ``arg`` and settle ``envs`` by its outcome.
+    def _handle(
+        self, reg: Registration, envs: list[Envelope[Any]], arg: Any, then: int = 0
+    ) -> tuple[list[Envelope[Any]], Taken] | None:
+        """Run the handler on ``arg`` and settle ``envs`` by its outcome; with ``then``, a
+        success's acknowledgement also takes up to ``then`` envelopes (returned with the take).
 
         A handler interrupted by cancellation (a drain that timed out on the asyncio worker)
         settles nothing: its envelopes stay in flight, and the stop releases them.
         """
         started = time.monotonic()
+        after = None
         try:
             self.rt.call(reg.handler, arg)
         except Exception as exc:
             self._failed(reg, envs, exc)
         else:
-            self._succeeded(reg, envs, started)
+            after = self._succeeded(reg, envs, started, then)
         self._in_flight.pop(reg, *envs)
+        return after
 
-    def _batch_once(self, reg: Registration) -> Taken:
-        assert reg.batch is not None
-        envs, taken = self._take(reg, reg.batch)
-        if not envs:
-            return taken
-        self._in_flight.add(reg, *envs)
-        self._observe(reg, *envs)
-        self._handle(reg, envs, envs)
-        return _after_groups(taken, envs)
-
-    def _succeeded(self, reg: Registration, envs: list[Envelope[Any]], started: float) -> None:
+    def _succeeded(
+        self, reg: Registration, envs: list[Envelope[Any]], started: float, then: int = 0
+    ) -> tuple[list[Envelope[Any]], Taken] | None:
         current = self._in_flight.current(reg, envs)
-        if len(current) == 1:
-            acked = int(bool(self._settle(reg, current[0], "ack")))
-        else:
-            acked = self._settle(reg, current[0], "ack_many", current) or 0
+        acked, after = self._ack(reg, current, then)
         elapsed = time.monotonic() - started
         if acked == len(envs):
             for env in envs:
@@ -810,6 +827,37 @@ class BaseWorker(Generic[S]):
                 len(envs) - acked,
                 reg.source.name,
             )
+        return after
+
+    def _ack(
+        self, reg: Registration, envs: list[Envelope[Any]], then: int
+    ) -> tuple[int, tuple[list[Envelope[Any]], Taken] | None]:
+        """Acknowledge ``envs`` (how many were); with ``then`` and no stop requested, take up
+        to ``then`` more in the same transaction. That transaction is the acknowledgement's:
+        it commits durably. When it fails, none of it happened: the acknowledgement is made on
+        its own, retried as usual, and the take is left to the consumer's loop."""
+        if then and not self.rt.stopping:
+            try:
+                with self.rt.session() as s, s.begin():
+                    acked = self._acknowledge(s, reg, envs)
+                    return acked, self._take_in(s, reg, then)
+            except Exception as exc:
+                if retryable(exc):
+                    self._db_error(exc)
+                else:  # the consumer's next take meets it again if it lasts, and stops on it
+                    log.warning(
+                        "acknowledging and taking on %s failed; acknowledging alone: %s",
+                        reg.source.name,
+                        exc,
+                    )
+        return self._settle(reg, envs[0], "ack", envs) or 0, None
+
+    @staticmethod
+    def _acknowledge(s: Session, reg: Registration, envs: Sequence[Envelope[Any]]) -> int:
+        """Acknowledge ``envs`` in ``s``; how many were (a lease that ran out is not)."""
+        if len(envs) == 1:
+            return int(bool(reg.source.ack(s, envs[0])))
+        return reg.source.ack_many(s, envs)
 
     def _failed(self, reg: Registration, envs: list[Envelope[Any]], error: Exception) -> None:
         for env in self._in_flight.current(reg, envs):
@@ -821,8 +869,7 @@ class BaseWorker(Generic[S]):
         """Settle in a transaction of its own, retrying transient errors up to the lease."""
         source = reg.source
         ops: dict[str, Callable[[Session], Any]] = {
-            "ack": lambda s: source.ack(s, env),
-            "ack_many": lambda s: source.ack_many(s, arg),
+            "ack": lambda s: self._acknowledge(s, reg, arg),
             "nack": lambda s: source.nack(s, env, arg),
             "release": lambda s: source.release(s, env),
         }

@@ -21,7 +21,14 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from sqla_delayedq import DelayedQueue, Delivery, Envelope, ExponentialBackoff, NackOutcome
+from sqla_delayedq import (
+    DelayedQueue,
+    Delivery,
+    Envelope,
+    ExponentialBackoff,
+    NackOutcome,
+    TransientError,
+)
 from sqla_delayedq._dialects import PostgreSQLStrategy
 from sqla_delayedq._wakeup import parse as parse_wake
 from sqla_delayedq._wakeup import payload as wake_payload
@@ -55,6 +62,7 @@ class RecordingHooks(WorkerHooks):
         self.failed_: list[tuple[str, str, int, BaseException, NackOutcome]] = []
         self.redelivered_: list[tuple[str, str]] = []
         self.lags: list[tuple[str, float]] = []
+        self.db_errors: list[BaseException] = []
 
     def processed(self, queue: str, envelope: Envelope[Any], seconds: float) -> None:
         with self.lock:
@@ -73,6 +81,10 @@ class RecordingHooks(WorkerHooks):
     def lag(self, queue: str, seconds: float) -> None:
         with self.lock:
             self.lags.append((queue, seconds))
+
+    def db_error(self, error: BaseException) -> None:
+        with self.lock:
+            self.db_errors.append(error)
 
 
 def pending(backend: Any, q: DelayedQueue[Any]) -> int:
@@ -893,5 +905,104 @@ def test_a_lease_worker_relaxes_its_takes_commits_and_not_its_acks(pg):
     assert sorted(handled) == [f"k{i}" for i in range(6)]
     relaxed = [c for c in commits if c[0] == "off"]
     durable = [c for c in commits if c[0] == "on"]
-    assert len(relaxed) == 6, commits  # one take per message
-    assert len(durable) >= 6, commits  # the acks (and the empty takes)
+    # The first take commits alone; each later one rides in the ack before it, which waits.
+    assert len(relaxed) == 1, commits
+    assert len(durable) >= 6, commits  # the acks (the last with an empty take)
+
+
+@contextlib.contextmanager
+def counting_commits(worker: Any, backend: Any) -> Iterator[list[int]]:
+    """A list that grows by one per commit on the engine the worker's sessions use."""
+    engine = getattr(worker, "engine", None)
+    engine = backend.engine if engine is None else engine.sync_engine
+    commits: list[int] = []
+
+    def on_commit(conn: Any) -> None:
+        commits.append(1)
+
+    sa.event.listen(engine, "commit", on_commit)
+    try:
+        yield commits
+    finally:
+        sa.event.remove(engine, "commit", on_commit)
+
+
+@pytest.mark.parametrize("form", ["one", "batch_size", "batch_handler"])
+def test_a_lease_consumer_acknowledges_and_takes_the_next_in_one_transaction(
+    backend, form, make_worker
+):
+    """While takes come back full, the last acknowledgement of a take also takes the next
+    envelopes: n takes cost n + 1 transactions, not 2n + 1, and every message is handled once,
+    acknowledged, and reported once."""
+    total, size = 24, 4
+    q: DelayedQueue[Any] = DelayedQueue(f"chain-{form}")
+    with backend.Session() as s, s.begin():
+        q.offer_batch(s, [(f"m{i:03d}", {"i": i}) for i in range(total)])
+    delivered: list[str] = []
+    hooks = RecordingHooks()
+    options: dict[str, Any] = {"batch_size": size} if form == "batch_size" else {}
+    worker = make_worker(
+        backend,
+        concurrency=1,
+        poll_interval=30,
+        listen=False,
+        keep_statistics=False,
+        hooks=hooks,
+        **options,
+    )
+    if form == "batch_handler":
+        worker.register_batch(q, lambda es: delivered.extend(e.key for e in es), batch_size=size)
+    else:
+        worker.register(q, lambda env: delivered.append(env.key), mode="lease")
+    with counting_commits(worker, backend) as commits, running(worker):
+        assert wait_for(lambda: pending(backend, q) == 0 and waiting(worker) == 1, 60, 0.02)
+        done = len(commits)
+    assert sorted(delivered) == [f"m{i:03d}" for i in range(total)]
+    assert sorted(k for _, k, _ in hooks.processed_) == sorted(delivered)
+    assert hooks.failed_ == [] and hooks.redelivered_ == []
+    acks = total // size if form == "batch_handler" else total
+    takes = total if form == "one" else total // size
+    # One transaction per ack (the last of each take that came back full also took the
+    # next), and the first take: acks + 1. Taking in transactions of their own costs
+    # acks + takes (+ 1 for the take that finds the queue empty).
+    assert done == acks + 1, (done, acks, takes)
+
+
+@pytest.mark.parametrize("error", ["transient", "bug"])
+def test_a_take_that_fails_after_an_ack_loses_neither_the_ack_nor_a_message(
+    backend, error, make_worker
+):
+    """The take chained to an acknowledgement fails once (a deadlock; a bug): its transaction
+    rolls back with the acknowledgement in it, the acknowledgement is made again on its own,
+    and the consumer goes on taking: every message handled once, acknowledged, reported once,
+    and nothing redelivered."""
+    total = 6
+    q: DelayedQueue[Any] = DelayedQueue(f"chain-fails-{error}")
+    with backend.Session() as s, s.begin():
+        q.offer_batch(s, [(f"m{i}", {"i": i}) for i in range(total)])
+    real = q.poll_batch
+    calls: list[int] = []
+
+    def flaky(session: Session, n: int, **kw: Any) -> Any:
+        calls.append(n)
+        if len(calls) == 2:  # the first take chained to an ack, after the ack's statement
+            if error == "transient":
+                raise TransientError("injected: deadlock detected")
+            raise RuntimeError("injected: a bug in the take")
+        return real(session, n, **kw)
+
+    q.poll_batch = flaky  # type: ignore[method-assign]
+    delivered: list[str] = []
+    hooks = RecordingHooks()
+    worker = make_worker(
+        backend, concurrency=1, poll_interval=30, listen=False, keep_statistics=False, hooks=hooks
+    )
+    worker.register(q, lambda env: delivered.append(env.key), mode="lease")
+    with running(worker):
+        assert wait_for(lambda: pending(backend, q) == 0 and waiting(worker) == 1, 60, 0.02)
+    assert getattr(worker, "worker", worker).failure is None
+    assert len(calls) >= 3  # the chained take failed, and taking went on
+    assert sorted(delivered) == [f"m{i}" for i in range(total)]
+    assert sorted(k for _, k, _ in hooks.processed_) == sorted(delivered)
+    assert hooks.failed_ == [] and hooks.redelivered_ == []
+    assert len(hooks.db_errors) == (1 if error == "transient" else 0)
