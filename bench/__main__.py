@@ -21,11 +21,12 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ._env import Measure, fresh_database, pg_settings, truncate
-from .workloads import BASE, CONTRACT, OURS, OURS_LEASE, SIZES, create_domain
+from .workloads import BASE, CONTRACT, OURS, OURS_VARIANTS, SIZES, create_domain
 
 TARGETS = {
     "on": {"E1": 0.90, "E2": 0.60, "C1": 0.85, "C2": 0.60},
@@ -58,6 +59,7 @@ def summarise(measures: list[Measure]) -> dict[str, Any]:
 SYSTEM_LABELS = {
     "ours": "sqla_delayedq",
     "ours_lease": "sqla_delayedq (lease mode)",
+    "ours_engine": "sqla_delayedq (Engine form)",
     "procrastinate": "procrastinate",
     "pgqueuer": "pgqueuer",
     "baseline": "hand-written baseline",
@@ -82,8 +84,7 @@ def systems_for(w: str) -> tuple[dict[str, Any], dict[str, str]]:
     if w == "L1X":
         return dict(L1X), {}
     run: dict[str, Any] = {"ours": OURS[w]}
-    if w in OURS_LEASE:
-        run["ours_lease"] = OURS_LEASE[w]
+    run.update({k: forms[w] for k, forms in OURS_VARIANTS.items() if w in forms})
     for peer, fns in PEERS.items():
         if w in fns:
             run[peer] = fns[w]
@@ -104,7 +105,7 @@ def compare(w: str, sync: str, summaries: dict[str, Any], na: dict[str, str]) ->
     entry: dict[str, Any] = {}
     peers = {p: summaries[p] for p in PEERS if p in summaries}
     entry["peers"] = {**peers, **{p: {"n/a": why} for p, why in na.items()}}
-    ours_modes = [k for k in ("ours", "ours_lease") if k in summaries]
+    ours_modes = [k for k in ("ours", *OURS_VARIANTS) if k in summaries]
     if w in LATENCY:
         for k in ours_modes:
             entry[f"{k}_p99_ms"] = summaries[k]["p99_ms"]
@@ -134,7 +135,7 @@ def compare(w: str, sync: str, summaries: dict[str, Any], na: dict[str, str]) ->
         entry["best_peer"] = best
     for k in ours_modes:
         mine = summaries[k]["rate_median"]
-        prefix = "" if k == "ours" else "ours_lease_"
+        prefix = "" if k == "ours" else f"{k}_"
         if peers:
             r = entry[f"{prefix}ratio_to_best_peer"] = mine / peers[best]["rate_median"]
             entry[f"{prefix}meets_best_peer_target"] = r >= BEST_PEER_TARGET
@@ -191,9 +192,8 @@ def run_ours_only(
             if w == "L1X":
                 continue  # cross-process wake-up is LISTEN/NOTIFY: PostgreSQL only
             n = max(100, int(SIZES[w] * scale))
-            systems = {"ours": OURS[w]}
-            if w in OURS_LEASE:
-                systems["ours_lease"] = OURS_LEASE[w]
+            systems: dict[str, Callable[..., Measure]] = {"ours": OURS[w]}
+            systems.update({k: forms[w] for k, forms in OURS_VARIANTS.items() if w in forms})
             if w == "E0":
                 systems["baseline"] = BASE[w]
             measures: dict[str, list[Measure]] = {label: [] for label in systems}
@@ -236,6 +236,24 @@ def _ratio(e: dict[str, Any], key: str) -> str:
     return f"{e[key]:.2f}×" if key in e else "–"
 
 
+def _engine_line(e: dict[str, Any] | None, prefix: str | None) -> list[str]:
+    """E1's Engine form (``offer(engine, ...)``), below the table: its figure and ratios."""
+    if not e or "ours_engine" not in e:
+        return []
+    s = e["ours_engine"]
+    line = (
+        f"E1 in the Engine form (`q.offer(engine, ...)`, no transaction of the caller's):"
+        f" {_cell('E1', e, 'ours_engine')} msg/s, {s['client_cpu_us_per_msg']:,.0f} µs of client CPU"
+        f" per message"
+    )
+    if prefix is not None:
+        line += (
+            f"; {_ratio(e, prefix + 'ratio_to_best_peer')} the best peer,"
+            f" {_ratio(e, prefix + 'ratio_to_contract')} the same-contract reference"
+        )
+    return ["", line + "."]
+
+
 def table(report: dict[str, Any]) -> str:
     """Throughput (msg/s, median and min to max) or latency (p50 / p95 / p99), then CPU."""
     head = " | ".join(SYSTEM_LABELS[c] for c in COLUMNS)
@@ -261,6 +279,7 @@ def table(report: dict[str, Any]) -> str:
                     f" | {_ratio(e, 'ratio_to_contract')} | {_ratio(e, 'ours_lease_ratio_to_contract')}"
                 )
             lines.append(f"| {ROW_LABELS.get(w, w)} | {cells} | {ratios} |")
+        lines += _engine_line(block["workloads"].get("E1"), "ours_engine_")
         e0 = block["workloads"].get("E0")
         if e0:
             lines += [
@@ -299,6 +318,7 @@ def table(report: dict[str, Any]) -> str:
                 f"| {ROW_LABELS.get(w, w)} | {_cell(w, e, 'ours')} | {_cell(w, e, 'ours_lease')} | {_cell(w, e, 'baseline')}"
                 f" | {e['ours']['client_cpu_us_per_msg']:,.0f} |"
             )
+        lines += _engine_line(wl.get("E1"), None)
         lines.append("")
     return "\n".join(lines)
 

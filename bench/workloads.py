@@ -155,6 +155,19 @@ def ours_e1(url: URL, backend: str, n: int) -> Measure:
     return m.result(n)
 
 
+def ours_e1_engine(url: URL, backend: str, n: int) -> Measure:
+    """The Engine form, for a producer with no transaction of its own: ``q.offer(engine, ...)``
+    (one autocommit statement per new message on PostgreSQL)."""
+    engine = create_engine(url)
+    q = DelayedQueue(QUEUE)
+    q.offer(engine, "warm-up", payload(-1))
+    with Meter(backend) as m:
+        for i in range(n):
+            q.offer(engine, f"e1-{i}", payload(i))
+    engine.dispose()
+    return m.result(n)
+
+
 def base_e1(url: URL, backend: str, n: int) -> Measure:
     import psycopg
     from psycopg.types.json import Jsonb
@@ -513,6 +526,13 @@ def contract_c2(url: URL, backend: str, n: int, consumers: int = 4, batch: int =
 
 #: Our other mode, measured beside ``OURS`` where it applies (``ours_lease`` in results.json).
 OURS_LEASE = {"C1": ours_c1_lease}
+#: The Engine form of an offer, beside the Session form (``ours_engine`` in results.json).
+OURS_ENGINE = {"E1": ours_e1_engine}
+#: Every form of ours measured beside ``OURS``, by its key in results.json.
+OURS_VARIANTS: dict[str, dict[str, Callable[..., Measure]]] = {
+    "ours_lease": OURS_LEASE,
+    "ours_engine": OURS_ENGINE,
+}
 CONTRACT = {"E1": contract_e1, "E2": contract_e2, "C1": contract_c1, "C2": contract_c2}
 OURS = {"E0": ours_e0, "E1": ours_e1, "E2": ours_e2, "C1": ours_c1, "C2": ours_c2, "L1": ours_l1}
 BASE = {"E0": hand_e0, "E1": base_e1, "E2": base_e2, "C1": base_c1, "C2": base_c2, "L1": base_l1}

@@ -133,6 +133,12 @@ class Strategy(abc.ABC):
     batch_lock: ClassVar[st.Lock] = "update"
     #: Whether ``NOTIFY`` exists to wake listeners on commit.
     has_notify: ClassVar[bool] = False
+    #: Whether an offer with no transaction of the caller's (``offer(engine, ...)``) writes a
+    #: new message in one autocommit statement. Elsewhere it takes a short transaction of its
+    #: own: PyMySQL pays a round trip to turn autocommit on and one to turn it off, where a
+    #: transaction costs the insert and ``COMMIT``; SQLite's writer lock is taken by ``BEGIN
+    #: IMMEDIATE``.
+    autocommit_offer: ClassVar[bool] = False
     #: Whether a grouped take reads a group's leases in the group index's order (see
     #: :func:`st.group_head`).
     ordered_group_probe: ClassVar[bool] = True
@@ -434,6 +440,7 @@ class PostgreSQLStrategy(Strategy):
     why_min_version = "the minimum version sqla_delayedq is tested against"
     max_params = 60_000
     has_notify = True
+    autocommit_offer = True
     keeps_statistics = True
 
     def group_hold(self, transactional: bool) -> st.GroupLock:

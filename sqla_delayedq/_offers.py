@@ -27,12 +27,12 @@ from itertools import islice
 from types import SimpleNamespace
 from typing import Any, NamedTuple, Protocol
 
-from sqlalchemy import Table, bindparam, update
+from sqlalchemy import Connection, Table, bindparam, update
 from sqlalchemy.orm import Session
 
 from . import _statements as st
 from ._codec import Codec, check_name
-from ._dialects import NewRow, Strategy, strategy_for
+from ._dialects import NewRow, Strategy, strategy_for, strategy_for_bind
 from ._rules import new_row, offer_changes
 from ._time import require_aware
 from ._types import OfferMode, OfferResult, Outcome
@@ -102,11 +102,8 @@ def offer_one(
     is the new row's."""
     t = q.table
     row = new_row(q.name, key, payload, at or now, now, group)
-    notify = _notify_on_insert(q, session, strategy)
     for _ in range(CAS_ROUNDS):
-        if strategy.insert_one(session, t, row, notify=notify):
-            if notify is not None:
-                announce(session, strategy, t.name, q.name, sent=1)
+        if _insert_new(q, session, strategy, row):
             return Outcome.CREATED
         if mode is OfferMode.SKIP:
             return Outcome.IGNORED
@@ -123,6 +120,55 @@ def offer_one(
     raise ConcurrentUpdate(
         f"offer of key {key!r} lost {CAS_ROUNDS} races in a row; retry the transaction"
     )
+
+
+def _insert_new(q: Target, session: Session, strategy: Strategy, row: dict[str, Any]) -> bool:
+    """Insert-if-absent; True when the row is new (its ``NOTIFY`` rides along where it can)."""
+    notify = _notify_on_insert(q, session, strategy)
+    if not strategy.insert_one(session, q.table, row, notify=notify):
+        return False
+    if notify is not None:
+        announce(session, strategy, q.table.name, q.name, sent=1)
+    return True
+
+
+def offer_alone(
+    q: Target,
+    conn: Connection,
+    key: str,
+    payload: dict[str, Any],
+    at: datetime | None,
+    now: datetime,
+    mode: OfferMode,
+    group: str | None = None,
+) -> Outcome:
+    """An offer with no transaction of the caller's, on ``conn``: a connection the caller
+    checked out for it alone and closes after (which resets what this sets on it).
+
+    Where the backend gains by it (:attr:`Strategy.autocommit_offer`), a new message is one
+    autocommit statement: written, committed and announced in one round trip. An existing key
+    (or another backend) takes a short transaction of its own that does what the Session form
+    does. Consumers of this process are woken after either commits.
+    """
+    strategy = strategy_for_bind(conn)
+    if strategy.autocommit_offer:
+        row = new_row(q.name, key, payload, at or now, now, group)
+        conn.execution_options(isolation_level="AUTOCOMMIT")
+        with Session(conn) as s:
+            created = _insert_new(q, s, strategy, row)
+            if created:
+                wake(q, s, strategy, 1)
+            s.commit()  # the statement committed itself; this runs the local wake-up
+        if created:
+            return Outcome.CREATED
+        if mode is OfferMode.SKIP:
+            return Outcome.IGNORED
+        conn.execution_options(isolation_level=conn.default_isolation_level)
+    with Session(conn) as s, s.begin():
+        outcome = offer_one(q, s, strategy, key, payload, at, now, mode, group)
+        if outcome is not Outcome.IGNORED:
+            wake(q, s, strategy, 1)
+    return outcome
 
 
 def _notify_on_insert(q: Target, session: Session, strategy: Strategy) -> str | None:

@@ -11,7 +11,7 @@ from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any, TypeVar, cast
 
-from sqlalchemy import Table, delete, update
+from sqlalchemy import Engine, Table, delete, update
 from sqlalchemy.orm import Session
 
 from . import _offers
@@ -125,7 +125,7 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
     @transient_as_ours
     def offer(
         self,
-        session: Session,
+        session: Session | Engine,
         key: str | None,
         payload: T,
         at: datetime | None = None,
@@ -145,6 +145,11 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         ``groups=True``) puts a new message in that group; an update keeps the message's group.
         ``priority`` (a queue with ``priorities=True``): 0 (the default, lowest) to
         32767; an update stores the updating offer's.
+
+        With an ``Engine`` instead of a Session, the offer is committed on its own, for a
+        producer with no transaction to join: on PostgreSQL a new message is then one
+        autocommit statement (one round trip); an existing key, or another backend, takes a
+        short transaction of its own.
         """
         mode = OfferMode.parse(mode)
         key = _offers.message_key(key)
@@ -154,6 +159,10 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         values["headers"] = encode_headers(headers)
         values["priority"] = self._check_priority(priority)
         group = self._check_group(group)
+        if isinstance(session, Engine):
+            with session.connect() as conn:
+                outcome = _offers.offer_alone(self, conn, key, values, when, now, mode, group)
+            return OfferResult(key, outcome)
         strategy = strategy_for(session)
         outcome = _offers.offer_one(self, session, strategy, key, values, when, now, mode, group)
         if outcome is not Outcome.IGNORED:

@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any, Generic, TypeVar
 
-from sqlalchemy.engine import URL
+from sqlalchemy.engine import URL, Engine
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.ext.asyncio import create_async_engine as sa_create_async_engine
 from sqlalchemy.orm import Session
@@ -123,7 +123,7 @@ class AsyncQueue(Generic[T]):
 
     async def offer(
         self,
-        session: AsyncSession,
+        session: AsyncSession | AsyncEngine,
         key: str | None,
         payload: T,
         at: datetime | None = None,
@@ -133,11 +133,16 @@ class AsyncQueue(Generic[T]):
         group: str | None = None,
         priority: int = 0,
     ) -> OfferResult:
-        return await session.run_sync(
-            lambda s: self.queue.offer(
+        """With an ``AsyncEngine``, committed on its own (see :meth:`DelayedQueue.offer`)."""
+
+        def offer(s: Session | Engine) -> OfferResult:
+            return self.queue.offer(
                 s, key, payload, at, mode=mode, headers=headers, group=group, priority=priority
             )
-        )
+
+        if isinstance(session, AsyncEngine):
+            return await greenlet_spawn(offer, session.sync_engine)
+        return await session.run_sync(offer)
 
     async def offer_batch(
         self,
