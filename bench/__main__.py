@@ -60,6 +60,8 @@ SYSTEM_LABELS = {
     "ours": "sqla_delayedq",
     "ours_lease": "sqla_delayedq (lease mode)",
     "ours_engine": "sqla_delayedq (Engine form)",
+    "ours_2proc": "sqla_delayedq (2 processes)",
+    "ours_lease_2proc": "sqla_delayedq (lease mode, 2 processes)",
     "procrastinate": "procrastinate",
     "pgqueuer": "pgqueuer",
     "baseline": "hand-written baseline",
@@ -236,22 +238,32 @@ def _ratio(e: dict[str, Any], key: str) -> str:
     return f"{e[key]:.2f}×" if key in e else "–"
 
 
-def _engine_line(e: dict[str, Any] | None, prefix: str | None) -> list[str]:
-    """E1's Engine form (``offer(engine, ...)``), below the table: its figure and ratios."""
-    if not e or "ours_engine" not in e:
-        return []
-    s = e["ours_engine"]
-    line = (
-        f"E1 in the Engine form (`q.offer(engine, ...)`, no transaction of the caller's):"
-        f" {_cell('E1', e, 'ours_engine')} msg/s, {s['client_cpu_us_per_msg']:,.0f} µs of client CPU"
-        f" per message"
-    )
-    if prefix is not None:
-        line += (
-            f"; {_ratio(e, prefix + 'ratio_to_best_peer')} the best peer,"
-            f" {_ratio(e, prefix + 'ratio_to_contract')} the same-contract reference"
-        )
-    return ["", line + "."]
+#: Forms of ours shown below the tables rather than in a column of their own.
+BELOW = {
+    "ours_engine": "in the Engine form (`q.offer(engine, ...)`, no transaction of the caller's)",
+    "ours_2proc": "by 2 worker processes of 2 consumers (`delayedq worker --processes 2`)",
+    "ours_lease_2proc": "in lease mode by 2 worker processes of 2 consumers",
+}
+
+
+def _below(workloads: dict[str, Any], ratios: bool) -> list[str]:
+    """The figures of the forms in ``BELOW``, a line each, with their ratios when ``ratios``."""
+    lines = []
+    for w, e in workloads.items():
+        for k, what in BELOW.items():
+            if k not in e:
+                continue
+            line = (
+                f"{w} {what}: {_cell(w, e, k)} msg/s,"
+                f" {e[k]['client_cpu_us_per_msg']:,.0f} µs of client CPU per message"
+            )
+            if ratios:
+                line += (
+                    f"; {_ratio(e, k + '_ratio_to_best_peer')} the best peer,"
+                    f" {_ratio(e, k + '_ratio_to_contract')} the same-contract reference"
+                )
+            lines.append(line + ".")
+    return ["", *lines] if lines else []
 
 
 def table(report: dict[str, Any]) -> str:
@@ -279,7 +291,7 @@ def table(report: dict[str, Any]) -> str:
                     f" | {_ratio(e, 'ratio_to_contract')} | {_ratio(e, 'ours_lease_ratio_to_contract')}"
                 )
             lines.append(f"| {ROW_LABELS.get(w, w)} | {cells} | {ratios} |")
-        lines += _engine_line(block["workloads"].get("E1"), "ours_engine_")
+        lines += _below(block["workloads"], ratios=True)
         e0 = block["workloads"].get("E0")
         if e0:
             lines += [
@@ -318,7 +330,7 @@ def table(report: dict[str, Any]) -> str:
                 f"| {ROW_LABELS.get(w, w)} | {_cell(w, e, 'ours')} | {_cell(w, e, 'ours_lease')} | {_cell(w, e, 'baseline')}"
                 f" | {e['ours']['client_cpu_us_per_msg']:,.0f} |"
             )
-        lines += _engine_line(wl.get("E1"), None)
+        lines += _below(wl, ratios=False)
         lines.append("")
     return "\n".join(lines)
 

@@ -17,11 +17,17 @@ baseline is the contract's round trips rather than this library's code.
 
 from __future__ import annotations
 
+import os
+import signal
 import statistics
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
@@ -32,7 +38,7 @@ from sqla_delayedq import DelayedQueue, create_engine
 from sqla_delayedq.models import metadata
 from sqla_delayedq.worker import Worker
 
-from ._env import Measure, Meter
+from ._env import Measure, Meter, server_cpu
 
 QUEUE = "bench"
 
@@ -64,6 +70,86 @@ def _wait_for(counter: Callable[[], int], n: int, timeout: float) -> None:
         time.sleep(0.002)
     if counter() < n:
         raise RuntimeError(f"only {counter()} of {n} messages handled in {timeout} s")
+
+
+def _cpu_of(pids: list[int]) -> float:
+    """User and system CPU seconds of processes, from ``/proc`` (Linux)."""
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _drain_processes(
+    url: URL, backend: str, n: int, mode: str, batch: int = 0, processes: int = 2
+) -> Measure:
+    """A drain by ``delayedq worker bench.drain_app:make --processes 2``, each process with half
+    of the 4 consumers: what a user runs on this 2-core machine, one GIL per core. Once every
+    process is up, the messages are offered in one transaction; the clock runs from its commit
+    until the queue is empty. Client CPU is the worker processes' own (``/proc``)."""
+    consumers = 4 // processes
+    engine = create_engine(url)
+    sessions = sessionmaker(engine)
+    q = DelayedQueue(QUEUE)
+    with tempfile.TemporaryDirectory() as ready:
+        env = {
+            **os.environ,
+            "DELAYEDQ_BENCH_URL": url.render_as_string(hide_password=False),
+            "DELAYEDQ_BENCH_MODE": mode,
+            "DELAYEDQ_BENCH_BATCH": str(batch),
+            "DELAYEDQ_BENCH_CONSUMERS": str(consumers),
+            "DELAYEDQ_BENCH_READY": ready,
+            "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+        }
+        command = [sys.executable, "-m", "sqla_delayedq.cli", "worker", "bench.drain_app:make"]
+        supervisor = subprocess.Popen(
+            [*command, "--processes", str(processes), "--no-monitor", "--log-level", "WARNING"],
+            env=env,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while len(os.listdir(ready)) < processes:
+                if time.monotonic() > deadline or supervisor.poll() is not None:
+                    raise RuntimeError("the worker processes did not start")
+                time.sleep(0.05)
+            pids = [int(p) for p in os.listdir(ready)]
+            time.sleep(0.5)  # their consumer threads start and find the queue empty
+            now = datetime.now(timezone.utc)
+            with sessions.begin() as s:
+                for start in range(0, n, 5000):
+                    q.offer_batch(
+                        s, [(f"m{i}", payload(i), now) for i in range(start, min(n, start + 5000))]
+                    )
+                c0, s0 = _cpu_of(pids), server_cpu(backend)
+            t0 = time.perf_counter()
+            left = sa.select(sa.literal(1)).select_from(metadata.tables["delayed_queue"]).limit(1)
+            with engine.connect() as conn:
+                while conn.execute(left).first() is not None:
+                    conn.rollback()
+                    time.sleep(0.005)
+            seconds = time.perf_counter() - t0
+            client, server = _cpu_of(pids) - c0, server_cpu(backend) - s0
+        finally:
+            supervisor.send_signal(signal.SIGTERM)
+            supervisor.wait(60)
+    engine.dispose()
+    return Measure(seconds, n, client, server, {})
+
+
+def ours_c1_processes(url: URL, backend: str, n: int) -> Measure:
+    """C1 in transactional mode by 2 worker processes of 2 consumers each."""
+    return _drain_processes(url, backend, n, "transactional")
+
+
+def ours_c1_lease_processes(url: URL, backend: str, n: int) -> Measure:
+    """C1 in lease mode by 2 worker processes of 2 consumers each."""
+    return _drain_processes(url, backend, n, "lease")
+
+
+def ours_c2_processes(url: URL, backend: str, n: int) -> Measure:
+    """C2 (batches of 100, lease mode) by 2 worker processes of 2 consumers each."""
+    return _drain_processes(url, backend, n, "lease", batch=100)
 
 
 # -- E0: the marginal cost of an offer in the caller's own transaction ---------------------------
@@ -528,10 +614,15 @@ def contract_c2(url: URL, backend: str, n: int, consumers: int = 4, batch: int =
 OURS_LEASE = {"C1": ours_c1_lease}
 #: The Engine form of an offer, beside the Session form (``ours_engine`` in results.json).
 OURS_ENGINE = {"E1": ours_e1_engine}
+#: The drains by two worker processes (``delayedq worker --processes 2``).
+OURS_PROCESSES = {"C1": ours_c1_processes, "C2": ours_c2_processes}
+OURS_LEASE_PROCESSES = {"C1": ours_c1_lease_processes}
 #: Every form of ours measured beside ``OURS``, by its key in results.json.
 OURS_VARIANTS: dict[str, dict[str, Callable[..., Measure]]] = {
     "ours_lease": OURS_LEASE,
     "ours_engine": OURS_ENGINE,
+    "ours_2proc": OURS_PROCESSES,
+    "ours_lease_2proc": OURS_LEASE_PROCESSES,
 }
 CONTRACT = {"E1": contract_e1, "E2": contract_e2, "C1": contract_c1, "C2": contract_c2}
 OURS = {"E0": ours_e0, "E1": ours_e1, "E2": ours_e2, "C1": ours_c1, "C2": ours_c2, "L1": ours_l1}
