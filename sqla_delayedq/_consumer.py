@@ -724,16 +724,17 @@ class BaseWorker(Generic[S]):
             return None
         if gate is not None:  # limited: due rows may be held back; look again soon
             return min(self.poll_interval, controls.LIMITED_RETRY)
-        now = reg.source.now()
-        when = reg.source.next_due(session)
-        if when is None:
-            return None
-        due_in = max(0.0, (when - now).total_seconds())
+        due_in = self._due_in(reg, reg.source.next_due(session))
         if due_in == 0 and reg.source.grouping is not None:
             # Due rows a take left wait behind their group's head: a consumer that settles a
             # head takes the next at once; the others look again soon, not in a busy loop.
             return min(self.poll_interval, GROUPED_RETRY)
         return due_in
+
+    @staticmethod
+    def _due_in(reg: Registration, when: datetime | None) -> float | None:
+        """Seconds until ``when`` by the queue's clock (None: no row is pending)."""
+        return None if when is None else max(0.0, (when - reg.source.now()).total_seconds())
 
     def _observe(self, reg: Registration, *envs: Envelope[Any]) -> None:
         name, hooks, now = reg.source.name, self.hooks, reg.source.now()
@@ -756,6 +757,8 @@ class BaseWorker(Generic[S]):
             return envs, Taken(len(envs), True, None)
         if polled.held:  # paused or at a limit: due rows wait for the controls
             return envs, Taken(len(envs), False, polled.wait)
+        if polled.ahead.known:  # the take's statement read when the next row is due
+            return envs, Taken(len(envs), False, self._due_in(reg, polled.ahead.next_at))
         return envs, Taken(len(envs), False, self._idle(s, reg))
 
     def _lease_once(self, reg: Registration, chain: bool = False) -> Taken:

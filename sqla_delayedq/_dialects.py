@@ -116,6 +116,10 @@ class Claims(NamedTuple):
 
     claimed: list[Claimed]
     more: bool
+    #: The claim read when the queue's next pending row is due (``ahead``, PostgreSQL)...
+    seen: bool = False
+    #: ...and that is when (None: no row).
+    next_at: datetime | None = None
 
 
 class Strategy(abc.ABC):
@@ -322,10 +326,12 @@ class Strategy(abc.ABC):
         prefix: str,
         grouping: st.Grouping = None,
         boosted: bool = False,
+        ahead: bool = False,
     ) -> Claims:
         """Pick up to ``limit`` due rows (skipping locked ones) and take them; the pick looks
         at one row more, to say whether more is due. ``grouping``: see :func:`st.group_head`;
-        ``boosted``: only rows with a priority, highest first."""
+        ``boosted``: only rows with a priority, highest first; ``ahead``: read when the next
+        row is due too, where the take's statement can (see :func:`st.claim_returning`)."""
         picked = self._due(session, t, queue, now, limit + 1, grouping, boosted)
         if not picked:
             return Claims([], False)
@@ -530,11 +536,13 @@ class PostgreSQLStrategy(Strategy):
         prefix: str,
         grouping: st.Grouping = None,
         boosted: bool = False,
+        ahead: bool = False,
     ) -> Claims:
         relaxed = bool(session.info.get(TAKE_ONLY))
+        ahead = ahead and grouping is None and not boosted
         stmt = self.cached(
             t,
-            f"claim:{grouping}:{boosted}:{relaxed}",
+            f"claim:{grouping}:{boosted}:{relaxed}:{ahead}",
             lambda: st.claim_returning(
                 t,
                 P.queue,
@@ -546,12 +554,16 @@ class PostgreSQLStrategy(Strategy):
                 boosted,
                 relaxed,
                 self.group_hold(False),
+                ahead,
             ),
         )
         rows = session.execute(stmt, P.take(queue, now, lease_until, limit, prefix)).all()
         claimed = [Claimed(r, r.prev_token, r.prev_scheduled_at) for r in rows]
         claimed.sort(key=lambda c: (-c.row.priority, c.prev_scheduled_at, c.row.id))
-        return Claims(claimed, bool(rows) and rows[0].picked > limit)
+        more = bool(rows) and rows[0].picked > limit
+        if ahead and rows and not more:
+            return Claims(claimed, more, True, rows[0].next_at)
+        return Claims(claimed, more)
 
     def ack_by_tokens(self, t: Table, ids: list[int], tokens: list[str]) -> Any:
         # Two array parameters instead of one per id and token: one SQL text for every size.

@@ -81,6 +81,9 @@ class Polled(NamedTuple, Generic[T]):
     #: ``wait`` seconds (None: when woken or after the poll interval).
     held: bool = False
     wait: float | None = None
+    #: When the take saw that nothing more was due: what it read of the queue beyond (see
+    #: :class:`Ahead`; known only where the take's own statement could read it).
+    ahead: Ahead = UNSEEN
 
 
 class LeasedQueue(abc.ABC, Generic[T]):
@@ -194,7 +197,7 @@ class LeasedQueue(abc.ABC, Generic[T]):
         ctl.record(session, table, self.name, admission, taken)
         if polled.more and admission.allowed < n:
             return Polled(polled.envelopes, False, True, ctl.retry_after(admission, taken))
-        return polled
+        return polled._replace(ahead=UNSEEN)  # the controls may hold what is due back
 
     def _poll(
         self,
@@ -208,24 +211,25 @@ class LeasedQueue(abc.ABC, Generic[T]):
         claim)."""
         envelopes: list[Envelope[T]] = []
         more = False
+        ahead = UNSEEN
         while len(envelopes) < n:
             now = self.now() if at is None else at
             prefix = secrets.token_hex(12) + "."
-            claimed, more = self._claim(
-                session, strategy, now, now + lease, n - len(envelopes), prefix
-            )
-            if not claimed:
+            claims = self._claim(session, strategy, now, now + lease, n - len(envelopes), prefix)
+            more = claims.more
+            if not claims.claimed:
                 break
             buried = 0
-            for c in claimed:
+            for c in claims.claimed:
                 envelope = self._deliver(session, c, now)
                 if envelope is None:
                     buried += 1
                 else:
                     envelopes.append(envelope)
-            if not buried:
-                break  # a short take means nothing more is due
-        return Polled(envelopes, more)
+            if not buried:  # a short take means nothing more is due
+                ahead = Ahead(True, claims.next_at) if claims.seen else UNSEEN
+                break
+        return Polled(envelopes, more, ahead=ahead)
 
     def _deliver(self, session: Session, claimed: Claimed, now: datetime) -> Envelope[T] | None:
         row = claimed.row

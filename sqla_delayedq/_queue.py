@@ -229,8 +229,18 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         if self.grouping is not None:
             strategy.check_group_isolation(session)
         if not self.priorities:
+            # The take reads when the next row is due in its own statement (an idle lease
+            # consumer then needs no statement to know how long to sleep).
             return strategy.claim(
-                session, self.table, self.name, now, until, limit, prefix, self.grouping
+                session,
+                self.table,
+                self.name,
+                now,
+                until,
+                limit,
+                prefix,
+                self.grouping,
+                ahead=True,
             )
         claimed: list[Claimed] = []
         for due, boosted in self._probes(now):

@@ -424,6 +424,7 @@ def claim_returning(
     boosted: bool = False,
     relaxed: bool = False,
     hold: GroupLock | None = None,
+    ahead: bool = False,
 ) -> Update:
     """PostgreSQL: pick with ``SKIP LOCKED`` and take in one statement.
 
@@ -441,6 +442,10 @@ def claim_returning(
 
     ``hold`` (see :func:`group_head`): the lease marks the group busy once the take commits;
     until then the lock keeps a transactional take of the group out, and the other way round.
+
+    With ``ahead`` the statement also returns ``next_at``: :func:`next_due` read in its own
+    snapshot, so it does not see the rows it takes (an idle consumer then knows how long to
+    sleep without a statement to ask; one uncorrelated subquery, evaluated once).
     """
     shape = message_shape(t)
     held = hold is not None and grouping is not None
@@ -486,6 +491,7 @@ def claim_returning(
                 if relaxed
                 else []
             ),
+            *([next_due(shape, queue, now).scalar_subquery().label("next_at")] if ahead else []),
         )
     )
 

@@ -370,6 +370,53 @@ def test_an_idle_worker_sleeps_only_until_the_next_due_message(backend, make_wor
     assert due <= handled[0] <= offered + timedelta(seconds=10)  # not the 30 s poll
 
 
+def test_a_lease_consumer_that_took_sleeps_until_the_next_due_message(backend, make_worker):
+    """A take that got a message and saw nothing more due: the consumer sleeps until the next
+    scheduled message (read in the take's own statement on PostgreSQL), not the 30 s poll, and
+    not until its own message's lease would end."""
+    q: DelayedQueue[Any] = DelayedQueue("next-due-after-take", lease=timedelta(minutes=5))
+    handled: list[tuple[str, datetime]] = []
+    worker = make_worker(backend, concurrency=1, poll_interval=30, listen=False)
+    worker.register(q, lambda env: handled.append((env.key, utcnow())))
+    offered = utcnow()
+    due = offered + timedelta(seconds=1.5)
+    with backend.Session() as s, s.begin():
+        q.offer(s, "now", {})
+        q.offer(s, "soon", {}, due)
+    with running(worker):
+        assert wait_for(lambda: len(handled) == 2, 20)
+    assert [k for k, _ in handled] == ["now", "soon"]
+    assert due <= handled[1][1] <= offered + timedelta(seconds=10)  # not the 30 s poll
+
+
+def test_an_idle_lease_consumer_asks_for_no_next_due_time_after_a_take(pg):
+    """On PostgreSQL a take that found no more due reads when the next row is due in its own
+    statement: no separate query for it."""
+    q: DelayedQueue[Any] = DelayedQueue("ahead-lease")
+    handled: list[str] = []
+    statements: list[str] = []
+    worker = Worker(pg.Session, concurrency=1, poll_interval=30, listen=False)
+    worker.register(q, lambda env: handled.append(env.key))
+
+    def before(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        statements.append(statement)
+
+    with running(worker):
+        assert wait_for(lambda: waiting(worker) == 1, 20)
+        with pg.Session() as s, s.begin():
+            q.offer(s, "now", {})
+            q.offer(s, "later", {}, utcnow() + timedelta(minutes=5))
+        sa.event.listen(pg.engine, "before_cursor_execute", before)
+        try:
+            assert wait_for(lambda: handled == ["now"] and waiting(worker) == 1, 20)
+        finally:
+            sa.event.remove(pg.engine, "before_cursor_execute", before)
+    takes = [s for s in statements if s.lstrip().startswith("WITH picked")]
+    assert len(takes) == 1 and "AS next_at" in takes[0]
+    asked = [s for s in statements if s.lstrip().startswith("SELECT min(")]
+    assert asked == [], asked
+
+
 class Takes:
     """Takes of a queue, and those that found nothing."""
 
