@@ -288,6 +288,10 @@ class Taken(NamedTuple):
     more: bool
     #: Otherwise, seconds until the queue's next row is due (None: no row).
     due_in: float | None
+    #: The next take may ride in this one's last acknowledgement (see ``_lease_once``): not
+    #: for a queue with controls, where an acknowledgement that took again at once would keep
+    #: its in-flight slot from every other consumer.
+    chainable: bool = False
 
 
 def _after_groups(taken: Taken, handled: list[Envelope[Any]]) -> Taken:
@@ -754,7 +758,7 @@ class BaseWorker(Generic[S]):
         polled = reg.source.poll_batch(s, n, lease=reg.lease)
         envs = polled.envelopes
         if polled.more:
-            return envs, Taken(len(envs), True, None)
+            return envs, Taken(len(envs), True, None, reg.source.gate(s) is None)
         if polled.held:  # paused or at a limit: due rows wait for the controls
             return envs, Taken(len(envs), False, polled.wait)
         if polled.ahead.known:  # the take's statement read when the next row is due
@@ -776,7 +780,7 @@ class BaseWorker(Generic[S]):
         while envs:
             handled += len(envs)
             self._in_flight.add(reg, *envs)
-            then = size if chain and taken.more else 0
+            then = size if chain and taken.chainable else 0
             if reg.batch is not None:
                 self._observe(reg, *envs)
                 after = self._handle(reg, envs, envs, then)

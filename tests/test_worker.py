@@ -1015,6 +1015,47 @@ def test_a_lease_consumer_acknowledges_and_takes_the_next_in_one_transaction(
     assert done == acks + 1, (done, acks, takes)
 
 
+def takes_in_acks(q: DelayedQueue[Any]) -> list[int]:
+    """A list that grows by one per take made in a transaction that acknowledged first."""
+    chained: list[int] = []
+    ack, poll_batch = q.ack, q.poll_batch
+
+    def acked(session: Session, envelope: Any) -> bool:
+        session.info["test.acked"] = True
+        return ack(session, envelope)
+
+    def polled(session: Session, n: int, **kw: Any) -> Any:
+        if session.info.get("test.acked"):
+            chained.append(1)
+        return poll_batch(session, n, **kw)
+
+    q.ack = acked  # type: ignore[method-assign]
+    q.poll_batch = polled  # type: ignore[method-assign]
+    return chained
+
+
+@pytest.mark.parametrize("limited", [False, True])
+def test_a_limited_queue_s_takes_never_ride_in_acknowledgements(backend, limited, make_worker):
+    """Under a global in-flight limit an acknowledgement that took again at once would keep its
+    slot from every other consumer (of every process): a limited queue's consumer commits its
+    acknowledgement, then takes in a transaction of its own, where all compete for the slot. A
+    plain queue's consumer chains them."""
+    total = 10
+    q: DelayedQueue[Any] = DelayedQueue(f"chain-limited-{limited}")
+    with backend.Session() as s, s.begin():
+        q.offer_batch(s, [(f"m{i}", {"i": i}) for i in range(total)])
+        if limited:
+            q.set_limits(s, max_in_flight=5)
+    chained = takes_in_acks(q)
+    handled: list[str] = []
+    worker = make_worker(backend, concurrency=1, poll_interval=30, listen=False)
+    worker.register(q, lambda env: handled.append(env.key), mode="lease")
+    with running(worker):
+        assert wait_for(lambda: len(handled) == total and pending(backend, q) == 0, 60)
+    assert sorted(handled) == sorted(f"m{i}" for i in range(total))
+    assert len(chained) == (0 if limited else total - 1)
+
+
 @pytest.mark.parametrize("error", ["transient", "bug"])
 def test_a_take_that_fails_after_an_ack_loses_neither_the_ack_nor_a_message(
     backend, error, make_worker
