@@ -847,7 +847,10 @@ class BaseWorker(Generic[S]):
             try:
                 with self.rt.session() as s, s.begin():
                     acked = self._acknowledge(s, reg, envs)
-                    return acked, self._take_in(s, reg, then)
+                    taken = self._take_in(s, reg, then)
+                # In flight from its commit on, so a stop that comes first releases them.
+                self._in_flight.add(reg, *taken[0])
+                return acked, taken
             except Exception as exc:
                 if retryable(exc):
                     self._db_error(exc)
