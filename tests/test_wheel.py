@@ -231,7 +231,7 @@ def test_host_project_migrates_and_its_worker_runs_from_the_wheel(
     venv.run("alembic", "upgrade", "head", cwd=project)
     assert {"customers", "hostapp_outbox", "alembic_version"} <= tables(url)
 
-    # A producer process offers two invoices before the worker starts and one while it runs.
+    # A producer process offers two invoices before the worker starts, then one while it runs.
     assert venv.run("python", "produce.py", "1", "2", cwd=project, env=env).stdout.strip() == (
         "offered 2"
     )
@@ -254,8 +254,10 @@ def test_host_project_migrates_and_its_worker_runs_from_the_wheel(
     )
     try:
         venv.run("python", "produce.py", "3", "1", cwd=project, env=env)
+        # ... and one with the Engine form: no transaction of its own, committed on its own.
+        venv.run("python", "produce.py", "4", "1", "engine", cwd=project, env=env)
         deadline = time.monotonic() + 60
-        while len(handled_lines(events)) < 3:
+        while len(handled_lines(events)) < 4:
             if worker.poll() is not None:
                 pytest.fail(f"the worker exited {worker.returncode}: {worker.communicate()[1]}")
             if time.monotonic() > deadline:
@@ -271,8 +273,8 @@ def test_host_project_migrates_and_its_worker_runs_from_the_wheel(
     assert "stopped cleanly" in stderr, stderr
 
     by_key = {fields[1]: fields[2:] for fields in handled_lines(events)}
-    assert sorted(by_key) == ["invoice/1", "invoice/2", "invoice/3"]
-    for n in (1, 2, 3):
+    assert sorted(by_key) == ["invoice/1", "invoice/2", "invoice/3", "invoice/4"]
+    for n in (1, 2, 3, 4):
         type_name, number, cents, lease_left, request_id = by_key[f"invoice/{n}"]
         assert request_id == f"req-{n}"  # the producer process's headers reached the worker
         # The host's serializer decoded b"INV|2030-000n|n099" into its Invoice class ...
