@@ -937,10 +937,8 @@ class BaseWorker(Generic[S]):
         wake); without one, the consumer takes again to see it, as before."""
         if not ahead.known or not self._listening:
             return Taken(1, True, None)
-        if ahead.next_at is None:
-            return Taken(1, False, None)
-        due_in = (ahead.next_at - reg.source.now()).total_seconds()
-        return Taken(1, True, None) if due_in <= 0 else Taken(1, False, due_in)
+        due_in = self._due_in(reg, ahead.next_at)
+        return Taken(1, True, None) if due_in == 0 else Taken(1, False, due_in)
 
     def _heartbeat(self) -> None:
         """Extend leases of long lease-mode handlers at half-lease, up to ``handler_timeout``.
