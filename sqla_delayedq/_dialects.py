@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from json.encoder import encode_basestring_ascii
 from types import SimpleNamespace
-from typing import Any, ClassVar, NamedTuple, ParamSpec, TypeVar
+from typing import Any, ClassVar, NamedTuple, ParamSpec, Protocol, TypeVar
 
 from sqlalchemy import (
     BigInteger,
@@ -76,20 +76,29 @@ log = logging.getLogger("sqla_delayedq.listener")
 TAKE_ONLY = "sqla_delayedq.take_only"
 
 
-class NewRow(NamedTuple):
+class NewRow(Protocol):
     """A row a batch inserts: the payload as JSON text or bytes; ``at`` None means now."""
 
-    key: str
-    text: str | None
-    raw: bytes | None
-    at: datetime | None
-    at0: datetime | None
-    #: The headers as stored (JSON text), or None.
-    headers: str | None = None
-    #: The message's group, or None.
-    group: str | None = None
-    #: The message's priority.
-    priority: int = 0
+    @property
+    def key(self) -> str: ...
+    @property
+    def text(self) -> str | None: ...
+    @property
+    def raw(self) -> bytes | None: ...
+    @property
+    def at(self) -> datetime | None: ...
+    @property
+    def at0(self) -> datetime | None:
+        """The first due time, when it differs from ``at``."""
+
+    @property
+    def headers(self) -> str | None:
+        """The headers as stored (JSON text), or None."""
+
+    @property
+    def group(self) -> str | None: ...
+    @property
+    def priority(self) -> int: ...
 
 
 class Listener(abc.ABC):
@@ -185,7 +194,7 @@ class Strategy(abc.ABC):
         queue: str,
         type_name: str,
         now: datetime,
-        rows: list[NewRow],
+        rows: Sequence[NewRow],
         token: str | None = None,
     ) -> list[dict[str, Any]]:
         """The parameters of a multi-row insert of new messages."""
@@ -216,7 +225,7 @@ class Strategy(abc.ABC):
         queue: str,
         type_name: str,
         now: datetime,
-        rows: list[NewRow],
+        rows: Sequence[NewRow],
     ) -> set[str]:
         """Insert-if-absent many new rows, in the given (key) order; the keys written."""
         params = self.new_rows(queue, type_name, now, rows)
@@ -489,7 +498,7 @@ class PostgreSQLStrategy(Strategy):
         queue: str,
         type_name: str,
         now: datetime,
-        rows: list[NewRow],
+        rows: Sequence[NewRow],
     ) -> set[str]:
         # The chunk travels as one JSON document; payloads are spliced in as already serialized.
         quote = encode_basestring_ascii  # json.dumps of a str, without the call overhead
@@ -676,7 +685,7 @@ class MySQLStrategy(Strategy):
         queue: str,
         type_name: str,
         now: datetime,
-        rows: list[NewRow],
+        rows: Sequence[NewRow],
     ) -> set[str]:
         token = f"new.{secrets.token_hex(12)}"
         params = self.new_rows(queue, type_name, now, rows, token)

@@ -182,7 +182,9 @@ def _notify_on_insert(q: Target, session: Session, strategy: Strategy) -> str | 
 
 
 class _Item:
-    """One message of a batch, serialized once; its row values are decoded only if needed."""
+    """One message of a batch, serialized once. For a key offered once in the batch, the item is
+    also the row its insert writes (a :class:`~._dialects.NewRow`); its row values (payload
+    decoded) are built only when an existing row must be compared with it."""
 
     __slots__ = (
         "_codec",
@@ -193,8 +195,11 @@ class _Item:
         "index",
         "key",
         "priority",
-        "stored",
+        "raw",
+        "text",
     )
+    #: A new message's first due time is its due time.
+    at0 = None
 
     def __init__(
         self,
@@ -207,27 +212,34 @@ class _Item:
         group: str | None,
         priority: int,
     ) -> None:
-        self._codec, self.index, self.key, self.stored, self.at = codec, index, key, stored, at
+        self._codec, self.index, self.key, self.at = codec, index, key, at
         self.headers, self.group, self.priority = headers, group, priority
+        self.text: str | None = stored if type(stored) is str else None
+        self.raw: bytes | None = None if self.text is not None else stored  # type: ignore[assignment]
         self._values: dict[str, Any] | None = None
 
     @property
     def values(self) -> dict[str, Any]:
         """The columns an offer of this message writes: the payload's and the headers."""
         if self._values is None:
-            self._values = self._codec.columns(self.stored)
+            stored = self.text if self.text is not None else self.raw
+            self._values = self._codec.columns(stored)  # type: ignore[arg-type]  # one is set
             self._values["headers"] = self.headers
             self._values["priority"] = self.priority
         return self._values
 
-    def new_row(self) -> NewRow:
-        text, raw = (self.stored, None) if isinstance(self.stored, str) else (None, self.stored)
-        return NewRow(self.key, text, raw, self.at, None, self.headers, self.group, self.priority)
 
+class _Folded(NamedTuple):
+    """The row of a key offered more than once in a batch, its offers applied in order."""
 
-class _Plan(NamedTuple):
-    row: NewRow
-    outcomes: list[tuple[int, Outcome]]
+    key: str
+    text: str | None
+    raw: bytes | None
+    at: datetime | None
+    at0: datetime | None
+    headers: str | None
+    group: str | None
+    priority: int
 
 
 def _batched(items: Sequence[str], size: int) -> Iterable[list[str]]:
@@ -240,6 +252,9 @@ def chunk_size(strategy: Strategy) -> int:
     return max(1, min(MAX_CHUNK, strategy.max_params // PARAMS_PER_ROW))
 
 
+_SHAPE = "a (key, payload[, at[, group]]) tuple"
+
+
 def _validate(
     q: Target,
     messages: Iterable[OfferInput],
@@ -247,24 +262,25 @@ def _validate(
     group: str | None,
     priority: int,
 ) -> list[_Item]:
+    """Every message checked and serialized, before any SQL runs (a hot loop: names are looked
+    up once)."""
     codec = q.codec
     items: list[_Item] = []
-    append, serialize = items.append, codec.serialize  # looked up once: hot loop
-    shape = "a (key, payload[, at[, group]]) tuple"
+    append, serialize, check = items.append, codec.serialize, q._check_group
     for i, message in enumerate(messages):
-        if not isinstance(message, tuple):
-            raise InvalidArgument(f"messages[{i}] must be {shape}")
-        size = len(message)
+        if not isinstance(message, tuple) or not 2 <= len(message) <= 4:
+            raise InvalidArgument(f"messages[{i}] must be {_SHAPE}")
         at, own_group = None, group
-        if size not in (2, 3, 4):
-            raise InvalidArgument(f"messages[{i}] must be {shape}")
-        if size >= 3:
-            at_arg = message[2]  # type: ignore[misc]  # the size was just checked
-            at = None if at_arg is None else require_aware(at_arg, f"messages[{i}] at")
-        if size == 4 and message[3] is not None:  # type: ignore[misc]
-            own_group = q._check_group(message[3])  # type: ignore[misc]
-        key = message_key(message[0])
-        append(_Item(codec, i, key, serialize(message[1]), at, headers, own_group, priority))
+        if len(message) == 2:
+            key, payload = message
+        else:
+            key, payload, at, *rest = message
+            if at is not None:
+                at = require_aware(at, f"messages[{i}] at")
+            if rest and rest[0] is not None:
+                own_group = check(rest[0])
+        key = uuid.uuid4().hex if key is None else check_name(key, "key", KEY_MAX)
+        append(_Item(codec, i, key, serialize(payload), at, headers, own_group, priority))
     return items
 
 
@@ -324,10 +340,10 @@ def _fold(
     return state, changes, outcomes
 
 
-def _insert_row(key: str, state: Any) -> NewRow:
+def _folded_row(key: str, state: Any) -> _Folded:
     """The row to insert for a key whose offers were folded into ``state``."""
     text = None if state.payload is None else json.dumps(state.payload)
-    return NewRow(
+    return _Folded(
         key,
         text,
         state.payload_bytes,
@@ -337,14 +353,6 @@ def _insert_row(key: str, state: Any) -> NewRow:
         state.group_key,
         state.priority,
     )
-
-
-def _plan_new(q: Target, key: str, items: list[_Item], mode: OfferMode, now: datetime) -> _Plan:
-    """The row and outcomes of a key that does not exist yet."""
-    if len(items) == 1:  # the common case: no folding, the payload stays as serialized
-        return _Plan(items[0].new_row(), [(items[0].index, Outcome.CREATED)])
-    state, _, outcomes = _fold(q, key, items, None, mode, now)
-    return _Plan(_insert_row(key, state), outcomes)
 
 
 def _offer_chunk(
@@ -359,12 +367,24 @@ def _offer_chunk(
 ) -> None:
     t = q.table
     # Optimistic: most batches are new keys. Insert every key as if absent; read back only the
-    # keys that were not written (they exist, or a concurrent transaction got there first).
-    plans = {key: _plan_new(q, key, by_key[key], mode, now) for key in keys}
-    written = _insert_chunk(q, session, strategy, now, {k: p.row for k, p in plans.items()})
+    # keys that were not written (they exist, or a concurrent transaction got there first). A
+    # key offered once is inserted as its item; a repeated one as its offers folded.
+    rows: list[NewRow] = []
+    folded: dict[str, list[tuple[int, Outcome]]] = {}
+    for key in keys:
+        offers = by_key[key]
+        if len(offers) == 1:
+            rows.append(offers[0])
+        else:
+            state, _, folded[key] = _fold(q, key, offers, None, mode, now)
+            rows.append(_folded_row(key, state))
+    written = strategy.insert_rows(session, t, q.name, q.codec.type_name, now, rows)
     for key in written:
-        for index, outcome in plans[key].outcomes:
-            outcomes[index] = outcome
+        if key in folded:
+            for index, outcome in folded[key]:
+                outcomes[index] = outcome
+        else:
+            outcomes[by_key[key][0].index] = Outcome.CREATED
     keys = [k for k in keys if k not in written]
     if not keys or mode is OfferMode.SKIP:
         return  # the rest stay IGNORED
@@ -372,21 +392,25 @@ def _offer_chunk(
     existing = {
         r.key: r for r in session.execute(st.select_by_keys(t, q.name, keys, strategy.batch_lock))
     }
-    inserts: dict[str, NewRow] = {}
+    inserts: list[NewRow] = []
     updates: list[tuple[Any, dict[str, Any]]] = []
     for key in keys:
         row = existing.get(key)
-        state, changes, folded = _fold(q, key, by_key[key], row, mode, now)
-        for index, outcome in folded:
+        state, changes, applied = _fold(q, key, by_key[key], row, mode, now)
+        for index, outcome in applied:
             outcomes[index] = outcome
         if row is None:
-            inserts[key] = _insert_row(key, state)
+            inserts.append(_folded_row(key, state))
         elif changes:
             updates.append((row, changes))
-    written = _insert_chunk(q, session, strategy, now, inserts) if inserts else set()
+    written = (
+        strategy.insert_rows(session, t, q.name, q.codec.type_name, now, inserts)
+        if inserts
+        else set()
+    )
     if updates:
         _update_chunk(session, t, updates)
-    for key in inserts:
+    for key in (row.key for row in inserts):
         if key in written:
             continue
         # Inserted by a concurrent transaction after our SELECT: replay its offers singly.
@@ -400,18 +424,6 @@ def _as_dict(state: Any) -> dict[str, Any]:
     if isinstance(state, SimpleNamespace):
         return dict(vars(state))
     return dict(state._mapping)
-
-
-def _insert_chunk(
-    q: Target,
-    session: Session,
-    strategy: Strategy,
-    now: datetime,
-    inserts: dict[str, NewRow],
-) -> set[str]:
-    """Insert rows for absent keys, in key order; return the keys actually written."""
-    rows = [inserts[k] for k in sorted(inserts)]
-    return strategy.insert_rows(session, q.table, q.name, q.codec.type_name, now, rows)
 
 
 def _update_chunk(session: Session, t: Table, updates: list[tuple[Any, dict[str, Any]]]) -> None:

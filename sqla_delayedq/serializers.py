@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from json.encoder import c_make_encoder, encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar, runtime_checkable
 
 from ._typed import CHANGED, UnknownFields, build, to_json
@@ -41,6 +42,23 @@ Storage = Literal["json", "bytes"]
 
 #: ``json.dumps(payload, allow_nan=False)`` without building an encoder per call.
 _ENCODER = json.JSONEncoder(allow_nan=False)
+
+
+def _not_json(value: object) -> Any:
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+# The C encoder behind ``_ENCODER.encode``, called without its Python wrapper: a batch offer
+# serializes each payload, and the wrapper's two calls cost more than encoding a small payload.
+# It gets no circular-reference map (that map is not safe to share between calls), so a cycle
+# ends in RecursionError, which ``dumps`` reports like any payload JSON cannot hold.
+_C_ENCODE = (
+    None
+    if c_make_encoder is None
+    else c_make_encoder(
+        None, _not_json, encode_basestring_ascii, None, ": ", ", ", False, False, False
+    )
+)
 
 
 @runtime_checkable
@@ -74,9 +92,15 @@ class JsonSerializer(Generic[T]):
     def dumps(self, payload: T) -> str:
         """The payload as JSON text; rejects what JSON cannot hold (sets, NaN, objects)."""
         try:
-            return _ENCODER.encode(payload)
+            if _C_ENCODE is None:
+                return _ENCODER.encode(payload)
+            return "".join(_C_ENCODE(payload, 0))
         except (TypeError, ValueError) as exc:
             raise EncodeError(f"payload is not JSON-serializable: {exc}") from exc
+        except RecursionError as exc:
+            raise EncodeError(
+                "payload is not JSON-serializable: it refers to itself, or nests too deeply"
+            ) from exc
 
     def encode(self, payload: T) -> Any:
         # Round-trip once: rejects what JSON cannot hold before SQL runs and normalises tuples
