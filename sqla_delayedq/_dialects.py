@@ -51,7 +51,7 @@ from . import _statements as st
 from ._engine import Family, family, is_mariadb
 from ._rules import INSERT_COLUMNS
 from ._statements import P, Shape
-from ._wakeup import Wake
+from ._wakeup import Wake, payload_tail
 from ._wakeup import parse as parse_wake
 from .errors import DelayedQueueError, TransientError, UnsupportedBackend
 
@@ -226,8 +226,13 @@ class Strategy(abc.ABC):
         type_name: str,
         now: datetime,
         rows: Sequence[NewRow],
+        *,
+        notify: str | None = None,
     ) -> set[str]:
-        """Insert-if-absent many new rows, in the given (key) order; the keys written."""
+        """Insert-if-absent many new rows, in the given (key) order; the keys written.
+
+        ``notify``: as for :meth:`insert_one`, once for the rows written.
+        """
         params = self.new_rows(queue, type_name, now, rows)
         stmt = self.cached(t, "insert_rows", lambda: self.insert_ignore(t).returning(t.c.key))
         return set(session.execute(stmt, params).scalars().all())
@@ -499,6 +504,8 @@ class PostgreSQLStrategy(Strategy):
         type_name: str,
         now: datetime,
         rows: Sequence[NewRow],
+        *,
+        notify: str | None = None,
     ) -> set[str]:
         # The chunk travels as one JSON document; payloads are spliced in as already serialized.
         quote = encode_basestring_ascii  # json.dumps of a str, without the call overhead
@@ -526,8 +533,14 @@ class PostgreSQLStrategy(Strategy):
             "u_now": now,
             "u_rows": f"[{','.join(parts)}]",
         }
-        stmt = self.cached(t, "insert_rows", lambda: st.recordset_insert(t))
-        return set(session.execute(stmt, params).scalars().all())
+        if notify is None:
+            stmt = self.cached(t, "insert_rows", lambda: st.recordset_insert(t))
+        else:
+            note = (self.channel(t.name), payload_tail(notify))
+            stmt = self.cached(
+                t, f"insert_rows+notify:{notify}", lambda: st.recordset_insert(t, note)
+            )
+        return set(session.execute(stmt, params).scalar() or ())
 
     TRANSIENT_STATES = frozenset({"40001", "40P01", "55P03", "57P01", "57P02", "57P03"})
 
@@ -686,6 +699,8 @@ class MySQLStrategy(Strategy):
         type_name: str,
         now: datetime,
         rows: Sequence[NewRow],
+        *,
+        notify: str | None = None,
     ) -> set[str]:
         token = f"new.{secrets.token_hex(12)}"
         params = self.new_rows(queue, type_name, now, rows, token)

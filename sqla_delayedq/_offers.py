@@ -36,7 +36,7 @@ from ._dialects import NewRow, Strategy, strategy_for, strategy_for_bind
 from ._rules import new_row, offer_changes
 from ._time import require_aware
 from ._types import OfferMode, OfferResult, Outcome
-from ._wakeup import announce, notify_pending
+from ._wakeup import announce, notify_pending, payload
 from .errors import ConcurrentUpdate, InvalidArgument
 from .models import KEY_MAX
 
@@ -128,7 +128,7 @@ def _insert_new(q: Target, session: Session, strategy: Strategy, row: dict[str, 
     if not strategy.insert_one(session, q.table, row, notify=notify):
         return False
     if notify is not None:
-        announce(session, strategy, q.table.name, q.name, sent=1)
+        announce(session, strategy, q.table.name, q.name, sent=1, carried=notify)
     return True
 
 
@@ -192,8 +192,8 @@ class _Item:
         "at",
         "group",
         "headers",
-        "index",
         "key",
+        "outcome",
         "priority",
         "raw",
         "text",
@@ -204,7 +204,6 @@ class _Item:
     def __init__(
         self,
         codec: Codec[Any],
-        index: int,
         key: str,
         stored: str | bytes,
         at: datetime | None,
@@ -212,7 +211,8 @@ class _Item:
         group: str | None,
         priority: int,
     ) -> None:
-        self._codec, self.index, self.key, self.at = codec, index, key, at
+        self._codec, self.key, self.at = codec, key, at
+        self.outcome = Outcome.IGNORED  # until an insert or an update says otherwise
         self.headers, self.group, self.priority = headers, group, priority
         self.text: str | None = stored if type(stored) is str else None
         self.raw: bytes | None = None if self.text is not None else stored  # type: ignore[assignment]
@@ -280,7 +280,7 @@ def _validate(
             if rest and rest[0] is not None:
                 own_group = check(rest[0])
         key = uuid.uuid4().hex if key is None else check_name(key, "key", KEY_MAX)
-        append(_Item(codec, i, key, serialize(payload), at, headers, own_group, priority))
+        append(_Item(codec, key, serialize(payload), at, headers, own_group, priority))
     return items
 
 
@@ -304,37 +304,36 @@ def offer_batch(
     for item in items:
         by_key.setdefault(item.key, []).append(item)
     strategy = strategy_for(session)
-    outcomes: list[Outcome] = [Outcome.IGNORED] * len(items)
     for keys in _batched(sorted(by_key), chunk_size(strategy)):
-        _offer_chunk(q, session, strategy, keys, by_key, mode, now, outcomes)
-    wake(q, session, strategy, sum(o is not Outcome.IGNORED for o in outcomes))
-    return [OfferResult(item.key, o) for item, o in zip(items, outcomes, strict=True)]
+        _offer_chunk(q, session, strategy, keys, by_key, mode, now)
+    wake(q, session, strategy, sum(item.outcome is not Outcome.IGNORED for item in items))
+    return [OfferResult(item.key, item.outcome) for item in items]
 
 
 def _fold(
     q: Target, key: str, items: list[_Item], row: Any, mode: OfferMode, now: datetime
-) -> tuple[Any, dict[str, Any], list[tuple[int, Outcome]]]:
+) -> tuple[Any, dict[str, Any], list[tuple[_Item, Outcome]]]:
     """Apply a key's offers in input order to ``row`` (None: absent), as single offers would.
 
     Returns the final state, the accumulated changes to an existing row, and the outcomes.
     """
     state: Any = row
     changes: dict[str, Any] = {}
-    outcomes: list[tuple[int, Outcome]] = []
+    outcomes: list[tuple[_Item, Outcome]] = []
     for item in items:
         if state is None:
             fresh = new_row(q.name, key, item.values, item.at or now, now, item.group)
             state = SimpleNamespace(**fresh, lock_token=None)
-            outcomes.append((item.index, Outcome.CREATED))
+            outcomes.append((item, Outcome.CREATED))
             continue
         step = None
         if mode is not OfferMode.SKIP:
             same = q.codec.same(state, item.values)
             step = offer_changes(state, item.values, same, item.at, now, mode)
         if step is None:
-            outcomes.append((item.index, Outcome.IGNORED))
+            outcomes.append((item, Outcome.IGNORED))
             continue
-        outcomes.append((item.index, Outcome.UPDATED))
+        outcomes.append((item, Outcome.UPDATED))
         changes.update(step)
         state = SimpleNamespace(**{**_as_dict(state), **step})
     return state, changes, outcomes
@@ -363,14 +362,13 @@ def _offer_chunk(
     by_key: dict[str, list[_Item]],
     mode: OfferMode,
     now: datetime,
-    outcomes: list[Outcome],
 ) -> None:
     t = q.table
     # Optimistic: most batches are new keys. Insert every key as if absent; read back only the
     # keys that were not written (they exist, or a concurrent transaction got there first). A
     # key offered once is inserted as its item; a repeated one as its offers folded.
     rows: list[NewRow] = []
-    folded: dict[str, list[tuple[int, Outcome]]] = {}
+    folded: dict[str, list[tuple[_Item, Outcome]]] = {}
     for key in keys:
         offers = by_key[key]
         if len(offers) == 1:
@@ -378,13 +376,19 @@ def _offer_chunk(
         else:
             state, _, folded[key] = _fold(q, key, offers, None, mode, now)
             rows.append(_folded_row(key, state))
-    written = strategy.insert_rows(session, t, q.name, q.codec.type_name, now, rows)
-    for key in written:
-        if key in folded:
-            for index, outcome in folded[key]:
-                outcomes[index] = outcome
+    notify = _notify_on_insert(q, session, strategy)
+    written = strategy.insert_rows(session, t, q.name, q.codec.type_name, now, rows, notify=notify)
+    if notify is not None and written:
+        sent = len(written)
+        announce(session, strategy, t.name, q.name, sent=sent, carried=payload(q.name, sent))
+    for row in rows:
+        if row.key not in written:
+            continue
+        if isinstance(row, _Item):
+            row.outcome = Outcome.CREATED
         else:
-            outcomes[by_key[key][0].index] = Outcome.CREATED
+            for item, outcome in folded[row.key]:
+                item.outcome = outcome
     keys = [k for k in keys if k not in written]
     if not keys or mode is OfferMode.SKIP:
         return  # the rest stay IGNORED
@@ -395,14 +399,14 @@ def _offer_chunk(
     inserts: list[NewRow] = []
     updates: list[tuple[Any, dict[str, Any]]] = []
     for key in keys:
-        row = existing.get(key)
-        state, changes, applied = _fold(q, key, by_key[key], row, mode, now)
-        for index, outcome in applied:
-            outcomes[index] = outcome
-        if row is None:
+        found = existing.get(key)
+        state, changes, applied = _fold(q, key, by_key[key], found, mode, now)
+        for item, outcome in applied:
+            item.outcome = outcome
+        if found is None:
             inserts.append(_folded_row(key, state))
         elif changes:
-            updates.append((row, changes))
+            updates.append((found, changes))
     written = (
         strategy.insert_rows(session, t, q.name, q.codec.type_name, now, inserts)
         if inserts
@@ -415,7 +419,7 @@ def _offer_chunk(
             continue
         # Inserted by a concurrent transaction after our SELECT: replay its offers singly.
         for item in by_key[key]:
-            outcomes[item.index] = offer_one(
+            item.outcome = offer_one(
                 q, session, strategy, key, item.values, item.at, now, mode, item.group
             )
 

@@ -571,14 +571,18 @@ def next_pending(t: Table, queue: Any) -> ColumnElement[Any]:
     )
 
 
-def recordset_insert(t: Table) -> Any:
+def recordset_insert(t: Table, notify: tuple[str, str] | None = None) -> Any:
     """PostgreSQL: insert a whole chunk from one JSON document, skipping existing keys.
 
     The rows travel as one ``jsonb`` parameter expanded by ``jsonb_to_recordset``: one statement
     and four parameters whatever the chunk size; payloads are spliced into the document as the
     serializer wrote them, and a missing due time means ``u_now``. Rows go in in key order, so
-    concurrent batches take their unique-index locks in the same order; ``RETURNING key`` says
-    which were written.
+    concurrent batches take their unique-index locks in the same order. The statement returns
+    one row: the keys written, as one array (a row per key costs the client more than the
+    server).
+
+    ``notify``: ``(channel, tail)``; when any row is written the statement also sends
+    ``NOTIFY channel, '<rows written><tail>'``, so the wake-up costs no round trip of its own.
     """
     r = (
         func.jsonb_to_recordset(cast(bindparam("u_rows", type_=String()), postgresql.JSONB()))
@@ -611,12 +615,20 @@ def recordset_insert(t: Table) -> Any:
         func.coalesce(r.c.r, literal(0)),
     ).order_by(r.c.k)
     names = list(INSERT_COLUMNS)
-    return (
+    ins = (
         postgresql.insert(t)
         .from_select(names, rows)
         .on_conflict_do_nothing(index_elements=["queue", "key"])
         .returning(t.c.key)
+        .cte("ins")
     )
+    written = func.array_agg(ins.c.key, type_=postgresql.ARRAY(String()))
+    if notify is None:
+        return select(written)
+    channel, tail = notify
+    count = func.count()
+    note = func.pg_notify(literal(channel), func.concat(count, literal(tail)))
+    return select(written, case((count > 0, note)))
 
 
 def take_ids(shape: Shape, ids: Sequence[Any], now: Any, lease_until: Any, prefix: Any) -> Update:

@@ -37,7 +37,15 @@ class Strategy(Protocol):
     def notify(self, session: Session, notes: Sequence[tuple[str, str]]) -> None: ...
 
 
-__all__ = ["announce", "notify_pending", "on_control", "parse", "payload", "subscribe"]
+__all__ = [
+    "announce",
+    "notify_pending",
+    "on_control",
+    "parse",
+    "payload",
+    "payload_tail",
+    "subscribe",
+]
 
 PENDING = "sqla_delayedq.wakeups"
 
@@ -55,7 +63,12 @@ _lock = threading.Lock()
 
 def payload(queue: str, count: int) -> str:
     """The ``NOTIFY`` payload that announces ``count`` messages offered to ``queue``."""
-    return f"{count}{_SEP}{queue}"
+    return f"{count}{payload_tail(queue)}"
+
+
+def payload_tail(queue: str) -> str:
+    """What follows the count in :func:`payload` (for a statement that writes the count)."""
+    return f"{_SEP}{queue}"
 
 
 def parse(text: str | None) -> tuple[str | None, int | None]:
@@ -78,20 +91,22 @@ def announce(
     count: int = 0,
     *,
     sent: int = 0,
+    carried: str | None = None,
     control: bool = False,
 ) -> None:
     """Note that ``count`` messages were offered to ``queue`` of ``table`` in the session's
     current transaction.
 
     ``sent`` says how many of them a statement of this transaction already announced to other
-    processes (a PostgreSQL insert can piggyback ``NOTIFY`` on itself). ``control``: the
-    queue's controls changed.
+    processes (a PostgreSQL insert can piggyback ``NOTIFY`` on itself), and ``carried`` with
+    which payload. ``control``: the queue's controls changed.
     """
     pending: dict[tuple[str, str], list[Any]] = session.info.setdefault(PENDING, {})
-    entry = pending.setdefault((table, queue), [strategy, 0, 0, False])
+    entry = pending.setdefault((table, queue), [strategy, 0, 0, False, None])
     entry[1] += count
     entry[2] += sent
     entry[3] = entry[3] or control
+    entry[4] = carried or entry[4]
 
 
 def on_control(hook: Callable[[str], None]) -> None:
@@ -129,12 +144,15 @@ def _send_notify(session: Session) -> None:
     if not pending:
         return
     by_strategy: dict[int, tuple[Strategy, list[tuple[str, str]]]] = {}
-    for (table, queue), (strategy, count, sent, control) in pending.items():
+    for (table, queue), (strategy, count, sent, control, carried) in pending.items():
         if not strategy.has_notify:
             continue
         notes = by_strategy.setdefault(id(strategy), (strategy, []))[1]
         if count > sent:
-            notes.append((table, payload(queue, count - sent)))
+            # PostgreSQL drops a NOTIFY identical to one the transaction already sent: a rest
+            # that reads like what an insert carried is announced as the total instead.
+            note = payload(queue, count - sent)
+            notes.append((table, payload(queue, count) if note == carried else note))
         if control:
             notes.append((table, f"{_CONTROL}{_SEP}{queue}"))
     for strategy, notes in by_strategy.values():

@@ -278,6 +278,49 @@ def test_payload_type_is_recorded_and_checked(backend, make_queue):
         assert isinstance(DecodeError("x"), DelayedQueueError)
 
 
+def test_a_batch_insert_carries_its_notify_with_the_count_it_wrote(pg, make_queue):
+    """On PostgreSQL a batch's insert sends the wake-up itself: no statement of its own, only
+    for rows written, and never folded away by a later one of the same transaction."""
+    import psycopg
+
+    q = make_queue("batched")
+    listener = psycopg.connect(
+        pg.url.set(drivername="postgresql").render_as_string(hide_password=False), autocommit=True
+    )
+    try:
+        listener.execute('LISTEN "delayedq_delayed_queue"')
+
+        def received() -> list[str]:
+            return [n.payload for n in listener.notifies(timeout=0.3)]
+
+        with record_sql(pg.engine) as sql, pg.Session() as s, s.begin():
+            q.offer_batch(s, [("a", 1), ("b", 2), ("c", 3)])
+        assert len(sql) == 1 and "INSERT INTO" in sql[0] and "pg_notify" in sql[0]
+        assert received() == ["3\x1fbatched"]
+
+        with record_sql(pg.engine) as sql, pg.Session() as s, s.begin():
+            q.offer_batch(s, [("a", 1), ("b", 2)], mode="skip")  # nothing written
+        assert received() == [] and len(sql) == 1
+
+        with pytest.raises(RuntimeError), pg.Session() as s, s.begin():
+            q.offer_batch(s, [("d", 4), ("e", 5)])
+            raise RuntimeError("rolled back")
+        assert received() == []
+
+        with pg.Session() as s, s.begin():  # two new, one updated: the commit adds the update
+            q.offer_batch(s, [("d", 4), ("e", 5), ("a", 100)])
+        assert received() == ["2\x1fbatched", "1\x1fbatched"]
+
+        # Two batches of two in one transaction: a second "2" would be folded into the first by
+        # PostgreSQL; the commit announces the total instead, so no message goes unannounced.
+        with pg.Session() as s, s.begin():
+            q.offer_batch(s, [("f", 6), ("g", 7)])
+            q.offer_batch(s, [("h", 8), ("i", 9)])
+        assert received() == ["2\x1fbatched", "4\x1fbatched"]
+    finally:
+        listener.close()
+
+
 def test_postgresql_notifies_each_committed_transaction_with_its_count(pg, make_queue):
     """The first insert carries the bare queue name (one message); the commit adds the rest."""
     import psycopg
