@@ -225,6 +225,11 @@ def test_bytes_serializer(backend, make_queue):
         assert q.try_poll(s).payload == b"\x00\xffraw"
 
 
+#: A payload that contains itself: JSON cannot hold it.
+CYCLE: list[object] = []
+CYCLE.append(CYCLE)
+
+
 @pytest.mark.parametrize(
     ("call", "message"),
     [
@@ -239,6 +244,12 @@ def test_bytes_serializer(backend, make_queue):
         (lambda q, s: q.try_poll_many(s, 0), "positive integer"),
         (lambda q, s: q.offer_batch(s, [("ok", 1), ("bad",)]), r"messages\[1\]"),
         (lambda q, s: q.offer_batch(s, [("ok", 1), ("k", 1, datetime(2030, 1, 1))]), "naive"),
+        (lambda q, s: q.offer(s, "k", CYCLE), "refers to itself"),
+        (lambda q, s: q.offer_batch(s, [("ok", 1), ("k", CYCLE)]), "refers to itself"),
+        (lambda q, s: q.offer_batch(s, [("ok", 1), ("k", {1, 2})]), "not JSON-serializable"),
+        (lambda q, s: q.offer_batch(s, [("ok", 1), ["k", 1]]), r"messages\[1\]"),
+        (lambda q, s: q.offer_batch(s, [("k", 1, None, None, 5)]), r"messages\[0\]"),
+        (lambda q, s: q.offer_batch(s, [("ok", 1), (7, 1)]), "key must be a string"),
     ],
 )
 def test_bad_input_is_refused_before_any_sql(backend, make_queue, call, message):
