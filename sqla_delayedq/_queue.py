@@ -24,7 +24,7 @@ from ._leases import UNSEEN, Ahead, LeasedQueue, Processed, check_count
 from ._offers import OfferInput
 from ._rules import after_failure, check_priority
 from ._time import Clock, require_aware, require_duration, system_clock
-from ._types import Delivery, Envelope, NackOutcome, OfferMode, OfferResult, Outcome
+from ._types import Delivery, Envelope, NackOutcome, OfferMode, OfferResult, Outcome, built
 from .errors import DecodeError, InvalidArgument
 from .models import KEY_MAX, QUEUE_MAX, DelayedMessage, QueueMessageMixin
 from .retry import ExponentialBackoff, RetryPolicy
@@ -37,7 +37,8 @@ __all__ = ["DelayedQueue", "OfferInput"]
 
 def _envelope(row: Any, payload: T, due_at: datetime, prev_token: str | None) -> Envelope[T]:
     """The envelope of a taken row; ``due_at`` and ``prev_token`` as they were before the take."""
-    return Envelope(
+    return built(
+        Envelope,
         id=row.id,
         queue=row.queue,
         key=row.key,

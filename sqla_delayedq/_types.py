@@ -26,6 +26,19 @@ __all__ = [
 ]
 
 
+V = TypeVar("V")
+
+
+def built(cls: type[V], /, **fields: Any) -> V:
+    """An instance of the frozen dataclass ``cls`` from every one of its fields, without the
+    generated ``__init__``, which sets each field through ``object.__setattr__``: most of what an
+    envelope costs on a batch take. Equality, hashing, ``repr``, ``dataclasses.replace`` and
+    pickling are those of an instance built the usual way; callers pass every field."""
+    obj = object.__new__(cls)
+    obj.__dict__.update(fields)
+    return obj
+
+
 class Outcome(enum.Enum):
     """What an offer did."""
 

@@ -60,7 +60,7 @@ from . import _statements as st
 from ._dialects import Claimed, Claims, Strategy, transient_as_ours
 from ._leases import LeasedQueue, LeaseLost, Processed
 from ._time import Clock, DateTimeUTC, require_aware, require_duration, system_clock
-from ._types import Delivery, Envelope
+from ._types import Delivery, Envelope, built
 from .errors import InvalidArgument
 from .retry import ExponentialBackoff, RetryPolicy
 
@@ -437,7 +437,8 @@ class EntityQueue(LeasedQueue[M]):
 
     def _envelope(self, claimed: Claimed, payload: M) -> Envelope[M]:
         row, due_at = claimed.row, claimed.prev_scheduled_at
-        return Envelope(
+        return built(
+            Envelope,
             id=row.id,
             queue=self.name,
             key=str(row.id),
@@ -450,6 +451,9 @@ class EntityQueue(LeasedQueue[M]):
             attempt=row.attempts + 1,
             lock_token=row.lock_token,
             lease_until=payload.queue_next_attempt_at or due_at,
+            headers={},
+            group=None,
+            priority=0,
         )
 
     # -- settle ----------------------------------------------------------------------------

@@ -108,9 +108,12 @@ class JsonSerializer(Generic[T]):
         return json.loads(self.dumps(payload))
 
     def decode(self, stored: Any) -> T:
-        if isinstance(stored, (bytes, str)):
+        # ``stored`` is the JSON value the column type already decoded: a ``str`` is a payload
+        # that is a JSON string ("3", "[1]", "x"), never text to parse again. Bytes cannot be
+        # a JSON value: they are undecoded text from a driver.
+        if isinstance(stored, (bytes, bytearray, memoryview)):
             try:
-                stored = json.loads(stored)
+                stored = json.loads(bytes(stored))
             except ValueError as exc:
                 raise DecodeError(f"stored JSON is corrupt: {exc}") from exc
         return stored  # type: ignore[no-any-return]

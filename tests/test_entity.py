@@ -6,6 +6,7 @@ the fake clock; concurrency tests count deliveries in a list, so a duplicate wou
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shutil
 import subprocess
@@ -191,6 +192,10 @@ def test_take_loads_the_entity_into_the_session_and_hides_it_for_the_lease(
         assert lease.payload.queue_next_attempt_at == lease.lease_until
         assert (lease.attempt, lease.delivery.value, lease.scheduled_at) == (1, "first", clock())
         assert lease.lease_until == clock() + timedelta(minutes=1)
+        # Built without the dataclass's __init__ (a hot path): every field, nothing else.
+        assert set(vars(lease)) == {f.name for f in dataclasses.fields(Envelope)}
+        assert (lease.headers, lease.group, lease.priority) == ({}, None, 0)
+        assert dataclasses.replace(lease) == lease
     with db.Session() as s, s.begin():
         assert queue.try_poll_many(s, 1) == []
         assert queue.counts(s).in_flight == 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
 from datetime import datetime, timedelta, timezone
 from typing import cast
 
@@ -9,6 +11,7 @@ import pytest
 import sqlalchemy as sa
 
 from sqla_delayedq import (
+    Envelope,
     BytesSerializer,
     DecodeError,
     DelayedMessage,
@@ -223,6 +226,45 @@ def test_bytes_serializer(backend, make_queue):
         assert q.offer(s, "k", b"\x00\xffraw").outcome is Outcome.IGNORED
     with backend.Session() as s, s.begin():
         assert q.try_poll(s).payload == b"\x00\xffraw"
+
+
+def test_taken_envelopes_are_whole_frozen_values(backend, make_queue, clock):
+    """Envelopes are built without the dataclass's __init__ on the take path (it is hot): they
+    hold every field and nothing else, and behave as values built the usual way."""
+    q = make_queue()
+    with backend.Session() as s, s.begin():
+        q.offer(s, "one", {"n": 1}, headers={"trace": "t-1"})
+        q.offer_batch(s, [("two", [2]), ("three", "3")])
+    with backend.Session() as s, s.begin():
+        taken = [q.try_poll(s), *q.try_poll_many(s, 5)]
+    assert [e.key for e in taken] == ["one", "three", "two"]  # a batch inserts in key order
+    names = {f.name for f in dataclasses.fields(Envelope)}
+    for env in taken:
+        assert set(vars(env)) == names
+        assert Envelope(**{n: getattr(env, n) for n in names}) == env
+        assert dataclasses.replace(env) == env and repr(env).startswith("Envelope(id=")
+        assert pickle.loads(pickle.dumps(env)) == env
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            env.key = "changed"  # type: ignore[misc]
+    assert taken[0].headers == {"trace": "t-1"} and taken[2].headers == {}
+    assert (taken[1].payload, taken[2].payload) == ("3", [2])
+    assert taken[0].attempt == 1 and taken[0].lease_until > clock()
+
+
+@pytest.mark.parametrize("payload", ["3", "[1]", '{"a": 1}', "x", "", "null", "true", "\u00e9"])
+def test_a_json_string_payload_reads_back_as_offered(backend, make_queue, payload):
+    """Regression: a JSON string payload was parsed again on read ("3" came back as 3; "x" was
+    buried as corrupt JSON, never delivered)."""
+    q = make_queue()
+    with backend.Session() as s, s.begin():
+        q.offer(s, "one", payload)
+        q.offer_batch(s, [("two", payload)])
+    with backend.Session() as s, s.begin():
+        assert q.get(s, "one").payload == payload and q.get(s, "two").payload == payload
+        assert q.offer(s, "one", payload).outcome is Outcome.IGNORED  # the same message
+        assert [e.payload for e in q.try_poll_many(s, 5)] == [payload, payload]
+    with backend.Session() as s:
+        assert q.counts(s).dead == 0
 
 
 #: A payload that contains itself: JSON cannot hold it.
