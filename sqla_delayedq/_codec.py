@@ -284,7 +284,9 @@ class Codec(Generic[T]):
                 f"serializer {self.type_name!r}"
             )
         stored = row.payload if self.json else row.payload_bytes
-        if stored is None:
+        if stored is None and (not self.json or row.payload_bytes is not None):
+            # A JSON queue's None is the payload null (offered as None); only bytes where JSON
+            # belongs, or no bytes in a bytes queue, is no payload at all.
             raise DecodeError(f"no payload in the {self.serializer.storage} column")
         if isinstance(stored, CorruptJSON):
             raise DecodeError(f"stored JSON is corrupt: {stored.error}")

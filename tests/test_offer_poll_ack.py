@@ -11,13 +11,13 @@ import pytest
 import sqlalchemy as sa
 
 from sqla_delayedq import (
-    Envelope,
     BytesSerializer,
     DecodeError,
     DelayedMessage,
     DelayedQueueError,
     Delivery,
     EncodeError,
+    Envelope,
     InvalidArgument,
     JsonSerializer,
     OfferMode,
@@ -251,10 +251,12 @@ def test_taken_envelopes_are_whole_frozen_values(backend, make_queue, clock):
     assert taken[0].attempt == 1 and taken[0].lease_until > clock()
 
 
-@pytest.mark.parametrize("payload", ["3", "[1]", '{"a": 1}', "x", "", "null", "true", "\u00e9"])
-def test_a_json_string_payload_reads_back_as_offered(backend, make_queue, payload):
+@pytest.mark.parametrize(
+    "payload", ["3", "[1]", '{"a": 1}', "x", "", "null", "true", "\u00e9", None]
+)
+def test_a_json_string_or_null_payload_reads_back_as_offered(backend, make_queue, payload):
     """Regression: a JSON string payload was parsed again on read ("3" came back as 3; "x" was
-    buried as corrupt JSON, never delivered)."""
+    buried as corrupt JSON, never delivered); a None payload was buried as "no payload"."""
     q = make_queue()
     with backend.Session() as s, s.begin():
         q.offer(s, "one", payload)

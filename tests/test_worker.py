@@ -129,18 +129,19 @@ def test_each_message_is_handled_exactly_once(backend, mode, make_worker):
     assert hooks.failed_ == [] and hooks.redelivered_ == []
 
 
-#: Payloads that are JSON strings, some of which read as other JSON when parsed again.
-STRING_PAYLOADS = ["3", "[1]", '{"a": 1}', "x", "", "null", "true", "caf\u00e9"]
+#: Payloads that are JSON strings, some of which read as other JSON when parsed again, and null.
+ODD_PAYLOADS = ["3", "[1]", '{"a": 1}', "x", "", "null", "true", "caf\u00e9", None]
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_json_string_payload_reaches_its_handler_as_offered(backend, mode, make_worker):
+def test_json_strings_and_null_reach_their_handler_as_offered(backend, mode, make_worker):
     """Regression: a payload that is a JSON string was decoded a second time on read, so "3"
-    reached the handler as 3 and "x" was buried as corrupt JSON without its handler running."""
+    reached the handler as 3 and "x" was buried as corrupt JSON without its handler running;
+    a None payload was accepted by the offer, then buried as "no payload" at its take."""
     q: DelayedQueue[Any] = DelayedQueue(f"strings-{mode}")
     with backend.Session() as s, s.begin():
         q.offer(s, "single", "3")
-        q.offer_batch(s, [(f"s{i}", p) for i, p in enumerate(STRING_PAYLOADS)])
+        q.offer_batch(s, [(f"s{i}", p) for i, p in enumerate(ODD_PAYLOADS)])
     got: list[tuple[str, Any]] = []
     lock = threading.Lock()
 
@@ -151,10 +152,10 @@ def test_a_json_string_payload_reaches_its_handler_as_offered(backend, mode, mak
     hooks = RecordingHooks()
     worker = make_worker(backend, concurrency=2, poll_interval=0.1, listen=False, hooks=hooks)
     worker.register(q, handler, mode=mode)
-    total = len(STRING_PAYLOADS) + 1
+    total = len(ODD_PAYLOADS) + 1
     with running(worker):
         assert wait_for(lambda: len(got) >= total and pending(backend, q) == 0, 30, 0.05)
-    expected = [("single", "3"), *((f"s{i}", p) for i, p in enumerate(STRING_PAYLOADS))]
+    expected = [("single", "3"), *((f"s{i}", p) for i, p in enumerate(ODD_PAYLOADS))]
     assert sorted(got) == sorted(expected)
     assert hooks.failed_ == []
     with backend.Session() as s:
