@@ -4,6 +4,12 @@ unrun.
 A synchronous consumer (the thread worker, ``process_one``) refuses ``async def`` handlers, and
 treats an awaitable result as a failed attempt; the asyncio worker refuses plain functions. The
 rules live here so the queues and both workers apply the same ones.
+
+A transactional handler runs in a savepoint of the transaction that took its message
+(:func:`run_in_savepoint`), and that transaction is not the handler's to end: a
+``session.commit()`` inside it is refused before anything commits (it would commit the message's
+removal whether or not the handler then succeeds), and a ``session.rollback()``, which cannot be
+refused, is reported as :class:`~sqla_delayedq.HandlerMisuse` instead of passing for success.
 """
 
 from __future__ import annotations
@@ -13,7 +19,10 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from .errors import InvalidArgument
+from sqlalchemy import event
+from sqlalchemy.orm import Session, SessionTransaction
+
+from .errors import HandlerMisuse, InvalidArgument
 
 __all__ = [
     "HandlerNotAwaited",
@@ -21,7 +30,11 @@ __all__ = [
     "check_async_handler",
     "check_sync_handler",
     "is_async_callable",
+    "run_in_savepoint",
 ]
+
+#: ``Session.info`` key: the savepoint a transactional handler runs in, while it runs.
+_HANDLING = "sqla_delayedq.handling"
 
 
 class HandlerNotAwaited(TypeError):
@@ -84,3 +97,48 @@ def call_sync_handler(handler: Callable[..., Any], *args: Any) -> Any:
             "sqla_delayedq.aio.AsyncWorker"
         )
     return result
+
+
+def run_in_savepoint(
+    session: Session, handler: Callable[..., Any], envelope: Any
+) -> tuple[SessionTransaction, Exception | None]:
+    """Run a transactional handler, ``handler(envelope, session)``, in a savepoint of the
+    session's transaction, and flush what it wrote there.
+
+    Returns the savepoint, still open when the handler succeeded (the caller acknowledges, then
+    releases it), and the handler's exception, its writes rolled back to the savepoint. Raises
+    :class:`~sqla_delayedq.HandlerMisuse` when the handler rolled back the whole transaction:
+    the take went with it, so nothing of this attempt is recorded in it.
+    """
+    root = session.get_transaction()
+    savepoint = session.begin_nested()
+    session.info[_HANDLING] = savepoint
+    error: Exception | None = None
+    try:
+        call_sync_handler(handler, envelope, session)
+        session.flush()
+    except Exception as exc:
+        error = exc
+    finally:
+        session.info.pop(_HANDLING, None)
+    if root is None or session.get_transaction() is not root or not root.is_active:
+        raise HandlerMisuse(
+            "a transactional handler rolled back (or closed) the session it was given, and "
+            "the take of its message with it: the message is due again, this attempt unrecorded. "
+            "Raise to fail an attempt; its writes are rolled back for you"
+        ) from error
+    if error is not None:
+        savepoint.rollback()
+    return savepoint, error
+
+
+@event.listens_for(Session, "before_commit")
+def _refuse_a_handler_s_commit(session: Session) -> None:
+    """A commit of the transaction a transactional handler runs in, from inside the handler:
+    refused before it happens (a savepoint the handler opened itself may commit)."""
+    savepoint = session.info.get(_HANDLING)
+    if savepoint is not None and session.get_nested_transaction() in (savepoint, None):
+        raise HandlerMisuse(
+            "a transactional handler must not commit the session it is given: its writes "
+            "commit with the removal of its message when it returns. Raise to fail the attempt"
+        )

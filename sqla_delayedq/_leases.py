@@ -32,7 +32,7 @@ from ._dialects import (
     strategy_for,
     transient_as_ours,
 )
-from ._handlers import call_sync_handler
+from ._handlers import run_in_savepoint
 from ._rules import after_failure, lease_exhausted, lost_lease_error
 from ._time import Clock, require_aware, require_duration
 from ._types import Envelope, NackOutcome
@@ -288,14 +288,10 @@ class LeasedQueue(abc.ABC, Generic[T]):
         """Transactional mode for a leased row: ``handler(envelope, session)`` in a savepoint,
         then the ack in the caller's transaction; a failure rolls the handler's writes back
         and records the attempt in that transaction instead."""
-        savepoint = session.begin_nested()
-        try:
-            call_sync_handler(handler, envelope, session)
-            session.flush()
-        except Exception as exc:
-            savepoint.rollback()
+        savepoint, exc = run_in_savepoint(session, handler, envelope)
+        if exc is not None:
             if is_transient(exc):
-                raise
+                raise exc
             return envelope, exc, self.nack(session, envelope, exc)
         if self.ack(session, envelope):
             savepoint.commit()

@@ -19,7 +19,7 @@ from . import _statements as st
 from ._admin import AdminMixin
 from ._codec import Codec, check_name, decode_headers, encode_headers, error_text, verbatim
 from ._dialects import Claimed, Claims, Strategy, is_transient, strategy_for, transient_as_ours
-from ._handlers import call_sync_handler
+from ._handlers import run_in_savepoint
 from ._leases import UNSEEN, Ahead, LeasedQueue, Processed, check_count
 from ._offers import OfferInput
 from ._rules import after_failure, check_priority
@@ -428,19 +428,18 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
             return None, UNSEEN
         envelope, row = taken[0]
         ahead = Ahead(True, row.next_at) if "next_at" in row._fields else UNSEEN
-        try:
-            with session.begin_nested():
-                call_sync_handler(handler, envelope, session)
-        except Exception as exc:
-            if is_transient(exc):
-                raise
-            now = self.now()
-            failure = after_failure(self.retry_policy, envelope.attempt, now)
-            self._put_back(session, row, failure.attempts, error_text(exc), failure.next_at, now)
-            outcome = NackOutcome.DEAD if failure.dead else NackOutcome.RETRY_SCHEDULED
-            # The retry time is not in what the take saw: the consumer looks again.
-            return (envelope, exc, outcome), UNSEEN
-        return (envelope, None, None), ahead
+        savepoint, exc = run_in_savepoint(session, handler, envelope)
+        if exc is None:
+            savepoint.commit()
+            return (envelope, None, None), ahead
+        if is_transient(exc):
+            raise exc
+        now = self.now()
+        failure = after_failure(self.retry_policy, envelope.attempt, now)
+        self._put_back(session, row, failure.attempts, error_text(exc), failure.next_at, now)
+        outcome = NackOutcome.DEAD if failure.dead else NackOutcome.RETRY_SCHEDULED
+        # The retry time is not in what the take saw: the consumer looks again.
+        return (envelope, exc, outcome), UNSEEN
 
     @transient_as_ours
     def record_failure(

@@ -12,6 +12,8 @@ Every error the library raises on purpose derives from :class:`DelayedQueueError
     │   │                                     (deadlock, serialization failure, lost
     │   │                                     connection): roll back and run it again
     │   └── ConcurrentUpdate                  rows kept changing under the operation
+    ├── HandlerMisuse                         a transactional handler committed or rolled back
+    │                                         the transaction it runs in
     └── WorkerError                           a worker stopped on an error it cannot retry
 
 A transient driver error raised inside a queue operation is re-raised as
@@ -30,6 +32,7 @@ __all__ = [
     "DecodeError",
     "DelayedQueueError",
     "EncodeError",
+    "HandlerMisuse",
     "InvalidArgument",
     "TransientError",
     "UnsupportedBackend",
@@ -67,6 +70,11 @@ class TransientError(DelayedQueueError):
 
 class ConcurrentUpdate(TransientError):
     """Concurrent transactions kept changing the rows; roll back and retry the transaction."""
+
+
+class HandlerMisuse(DelayedQueueError):
+    """A transactional handler committed or rolled back the transaction it runs in, which is
+    the consumer's: its message's removal commits with the handler's writes when it returns."""
 
 
 class WorkerError(DelayedQueueError):

@@ -26,8 +26,11 @@ from sqla_delayedq import (
     Delivery,
     Envelope,
     ExponentialBackoff,
+    HandlerMisuse,
     NackOutcome,
+    State,
     TransientError,
+    WorkerError,
 )
 from sqla_delayedq._dialects import PostgreSQLStrategy
 from sqla_delayedq._wakeup import parse as parse_wake
@@ -267,6 +270,77 @@ def test_a_failing_transactional_handler_runs_at_most_max_attempts_times(backend
     repeated = {run: n for run, n in Counter(runs).items() if n > 1}
     assert repeated == {}, "an attempt ran again before its failure was recorded"
     assert sorted(runs) == sorted((k, a) for k in keys for a in (1, 2))
+
+
+# -- transactional mode: the transaction is the consumer's -----------------------------------
+
+
+def test_a_transactional_handler_s_commit_is_refused_and_its_message_kept(backend, make_worker):
+    """Regression: a handler's session.commit() committed the message's removal; when the
+    handler then raised, the message was gone, its failure unrecorded, and the worker stopped.
+    The commit is now refused inside the handler: a failed attempt like any other."""
+    retry = ExponentialBackoff(max_attempts=2, initial=timedelta(milliseconds=10), jitter=0)
+    q: DelayedQueue[Any] = DelayedQueue("commits", retry=retry)
+    side: DelayedQueue[Any] = DelayedQueue("commits-side")
+    offer(backend, q, "m")
+    offer(backend, q, "forgiven")
+    runs: list[tuple[str, int]] = []
+
+    def handler(env: Envelope[Any], session: Session) -> None:
+        runs.append((env.key, env.attempt))
+        side.offer(session, env.key, {"written": "by the handler"})
+        if env.key == "m":
+            session.commit()  # refused: raises HandlerMisuse, so this attempt fails
+        with contextlib.suppress(HandlerMisuse):
+            session.commit()  # refused, and the handler goes on: it succeeds
+
+    hooks = RecordingHooks()
+    worker = make_worker(backend, concurrency=1, poll_interval=0.02, listen=False, hooks=hooks)
+    worker.register(q, handler, mode="transactional")
+    with running(worker):
+        assert wait_for(lambda: len(runs) >= 3 and pending(backend, q) == 0, 30, 0.05)
+    assert sorted(runs) == [("forgiven", 1), ("m", 1), ("m", 2)]
+    with backend.Session() as s:
+        info = q.get(s, "m")
+        assert info is not None and info.state is State.DEAD and info.attempts == 2
+        assert "must not commit" in (info.last_error or "")
+        assert q.get(s, "forgiven") is None  # handled: removed with the handler's write
+        assert side.get(s, "forgiven") is not None and side.get(s, "m") is None
+    assert [(f[1], type(f[3])) for f in hooks.failed_] == [("m", HandlerMisuse)] * 2
+    assert [p[1] for p in hooks.processed_] == ["forgiven"]
+
+
+def test_a_transactional_handler_that_rolls_back_stops_the_worker_and_keeps_its_message(
+    backend, make_worker
+):
+    """A rollback cannot be refused: it undid the take, and the handler returning looked like
+    success, so the same message ran again and again, never counted. The worker now stops
+    with HandlerMisuse, and the message waits, due, for a corrected handler."""
+    q: DelayedQueue[Any] = DelayedQueue("rollbacks")
+    offer(backend, q, "m")
+    runs: list[int] = []
+
+    def handler(env: Envelope[Any], session: Session) -> None:
+        runs.append(env.attempt)
+        session.rollback()
+
+    worker = make_worker(backend, concurrency=1, poll_interval=0.02, listen=False)
+    worker.register(q, handler, mode="transactional")
+    worker.start()
+    try:
+        assert wait_for(lambda: bool(runs), 30)
+        time.sleep(0.5)
+    finally:
+        try:
+            worker.stop(5)  # a thread Worker keeps the error (run() raises it)
+            error = worker.failure
+        except WorkerError as exc:  # the asyncio worker's run() raised it
+            error = exc.__cause__
+    assert isinstance(error, HandlerMisuse) and "rolled back" in str(error)
+    assert runs == [1]
+    with backend.Session() as s:
+        info = q.get(s, "m")
+        assert info is not None and info.state is State.DUE and info.attempts == 0
 
 
 # -- transactional mode: the handler's writes -------------------------------------------------
