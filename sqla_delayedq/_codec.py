@@ -256,6 +256,13 @@ class Codec(Generic[T]):
                 text = json.dumps(self.serializer.encode(payload), allow_nan=False)
             except (TypeError, ValueError) as exc:
                 raise EncodeError(f"payload is not JSON-serializable: {exc}") from exc
+        if text == "null":
+            # Stored, JSON null reads back as no payload at all, which is how a damaged row
+            # looks: such a message would be buried at its first take, never handled.
+            raise EncodeError(
+                "payload is None (JSON null), which a queue cannot tell from a missing payload; "
+                "offer a value, {} for a message that carries no data"
+            )
         problem = _json_problem(text)
         if problem is not None:
             where = _bad_path(json.loads(text)) or "payload"
@@ -284,9 +291,7 @@ class Codec(Generic[T]):
                 f"serializer {self.type_name!r}"
             )
         stored = row.payload if self.json else row.payload_bytes
-        if stored is None and (not self.json or row.payload_bytes is not None):
-            # A JSON queue's None is the payload null (offered as None); only bytes where JSON
-            # belongs, or no bytes in a bytes queue, is no payload at all.
+        if stored is None:  # offers refuse a null payload: a row without one is damaged
             raise DecodeError(f"no payload in the {self.serializer.storage} column")
         if isinstance(stored, CorruptJSON):
             raise DecodeError(f"stored JSON is corrupt: {stored.error}")

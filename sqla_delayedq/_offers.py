@@ -279,8 +279,7 @@ def _validate(
                 at = require_aware(at, f"messages[{i}] at")
             if rest and rest[0] is not None:
                 own_group = check(rest[0])
-        key = uuid.uuid4().hex if key is None else check_name(key, "key", KEY_MAX)
-        append(_Item(codec, key, serialize(payload), at, headers, own_group, priority))
+        append(_Item(codec, message_key(key), serialize(payload), at, headers, own_group, priority))
     return items
 
 

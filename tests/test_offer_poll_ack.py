@@ -251,12 +251,10 @@ def test_taken_envelopes_are_whole_frozen_values(backend, make_queue, clock):
     assert taken[0].attempt == 1 and taken[0].lease_until > clock()
 
 
-@pytest.mark.parametrize(
-    "payload", ["3", "[1]", '{"a": 1}', "x", "", "null", "true", "\u00e9", None]
-)
-def test_a_json_string_or_null_payload_reads_back_as_offered(backend, make_queue, payload):
+@pytest.mark.parametrize("payload", ["3", "[1]", '{"a": 1}', "x", "", "null", "true", "\u00e9"])
+def test_a_json_string_payload_reads_back_as_offered(backend, make_queue, payload):
     """Regression: a JSON string payload was parsed again on read ("3" came back as 3; "x" was
-    buried as corrupt JSON, never delivered); a None payload was buried as "no payload"."""
+    buried as corrupt JSON, never delivered)."""
     q = make_queue()
     with backend.Session() as s, s.begin():
         q.offer(s, "one", payload)
@@ -289,6 +287,10 @@ CYCLE.append(CYCLE)
         (lambda q, s: q.offer_batch(s, [("ok", 1), ("bad",)]), r"messages\[1\]"),
         (lambda q, s: q.offer_batch(s, [("ok", 1), ("k", 1, datetime(2030, 1, 1))]), "naive"),
         (lambda q, s: q.offer(s, "k", CYCLE), "refers to itself"),
+        # Regression: accepted, then buried as "no payload" at its first take, never handled.
+        (lambda q, s: q.offer(s, "k", None), "payload is None"),
+        (lambda q, s: q.offer_batch(s, [("ok", 1), ("k", None)]), "payload is None"),
+        (lambda q, s: q.offer(s.get_bind(), "k", None), "payload is None"),
         (lambda q, s: q.offer_batch(s, [("ok", 1), ("k", CYCLE)]), "refers to itself"),
         (lambda q, s: q.offer_batch(s, [("ok", 1), ("k", {1, 2})]), "not JSON-serializable"),
         (lambda q, s: q.offer_batch(s, [("ok", 1), ["k", 1]]), r"messages\[1\]"),

