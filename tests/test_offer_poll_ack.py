@@ -245,7 +245,7 @@ def test_taken_envelopes_are_whole_frozen_values(backend, make_queue, clock):
         assert dataclasses.replace(env) == env and repr(env).startswith("Envelope(id=")
         assert pickle.loads(pickle.dumps(env)) == env
         with pytest.raises(dataclasses.FrozenInstanceError):
-            env.key = "changed"  # type: ignore[misc]
+            env.key = "changed"
     assert taken[0].headers == {"trace": "t-1"} and taken[2].headers == {}
     assert (taken[1].payload, taken[2].payload) == ("3", [2])
     assert taken[0].attempt == 1 and taken[0].lease_until > clock()
