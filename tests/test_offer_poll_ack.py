@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import pickle
+from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
-from typing import cast
+from typing import Any, cast
 
 import pytest
 import sqlalchemy as sa
@@ -335,21 +337,27 @@ def test_payload_type_is_recorded_and_checked(backend, make_queue):
         assert isinstance(DecodeError("x"), DelayedQueueError)
 
 
-def test_a_batch_insert_carries_its_notify_with_the_count_it_wrote(pg, make_queue):
-    """On PostgreSQL a batch's insert sends the wake-up itself: no statement of its own, only
-    for rows written, and never folded away by a later one of the same transaction."""
+@contextlib.contextmanager
+def notifications(pg: Any) -> Iterator[Callable[[], list[str]]]:
+    """``received()``: the ``NOTIFY`` payloads another connection heard on the queue table's
+    channel since the last call."""
     import psycopg
 
-    q = make_queue("batched")
     listener = psycopg.connect(
         pg.url.set(drivername="postgresql").render_as_string(hide_password=False), autocommit=True
     )
     try:
         listener.execute('LISTEN "delayedq_delayed_queue"')
+        yield lambda: [n.payload for n in listener.notifies(timeout=0.3)]
+    finally:
+        listener.close()
 
-        def received() -> list[str]:
-            return [n.payload for n in listener.notifies(timeout=0.3)]
 
+def test_a_batch_insert_carries_its_notify_with_the_count_it_wrote(pg, make_queue):
+    """On PostgreSQL a batch's insert sends the wake-up itself: no statement of its own, only
+    for rows written, and never folded away by a later one of the same transaction."""
+    q = make_queue("batched")
+    with notifications(pg) as received:
         with record_sql(pg.engine) as sql, pg.Session() as s, s.begin():
             q.offer_batch(s, [("a", 1), ("b", 2), ("c", 3)])
         assert len(sql) == 1 and "INSERT INTO" in sql[0] and "pg_notify" in sql[0]
@@ -374,24 +382,12 @@ def test_a_batch_insert_carries_its_notify_with_the_count_it_wrote(pg, make_queu
             q.offer_batch(s, [("f", 6), ("g", 7)])
             q.offer_batch(s, [("h", 8), ("i", 9)])
         assert received() == ["2\x1fbatched", "4\x1fbatched"]
-    finally:
-        listener.close()
 
 
 def test_postgresql_notifies_each_committed_transaction_with_its_count(pg, make_queue):
     """The first insert carries the bare queue name (one message); the commit adds the rest."""
-    import psycopg
-
     q = make_queue("notified")
-    listener = psycopg.connect(
-        pg.url.set(drivername="postgresql").render_as_string(hide_password=False), autocommit=True
-    )
-    try:
-        listener.execute('LISTEN "delayedq_delayed_queue"')
-
-        def received() -> list[str]:
-            return [n.payload for n in listener.notifies(timeout=0.3)]
-
+    with notifications(pg) as received:
         with pg.Session() as s, s.begin():
             q.offer(s, "a", 1)
             q.offer(s, "b", 2)
@@ -407,5 +403,3 @@ def test_postgresql_notifies_each_committed_transaction_with_its_count(pg, make_
         with pg.Session() as s, s.begin():
             q.offer(s, "a", 100)  # ignored: nothing to wake anyone for
         assert received() == []
-    finally:
-        listener.close()
