@@ -323,6 +323,62 @@ def test_spark_bad_rows_are_refused_naming_the_offending_key(
     assert offer_dataframe(good, pg.url, "bad").created == n  # and the good rows go in
 
 
+@pytest.mark.parametrize("backend", ["postgresql", "sqlite"])
+def test_spark_null_payloads_are_refused_not_buried_dead(
+    spark: SparkSession, pg: Backend, tmp_path: Path, backend: str
+) -> None:
+    """A null payload (SQL NULL or the JSON text ``null``) is refused, naming its key.
+
+    Written, it would read back like a missing payload: the row's first take would bury it
+    dead without its handler running.
+    """
+    from sqla_delayedq import create_engine
+    from sqla_delayedq.models import metadata
+
+    if backend == "postgresql":
+        url = pg.url
+    else:
+        url = f"sqlite:///{tmp_path / 'nulls.sqlite'}"
+        engine = create_engine(url)
+        metadata.create_all(engine)
+        engine.dispose()
+    good = spark.range(50, numPartitions=1).select(
+        F.concat(F.lit("good/"), F.col("id").cast("string")).alias("key"),
+        F.to_json(F.struct(F.col("id").alias("i"))).alias("payload"),
+    )
+    for payload in (None, "null", " null\n"):
+        bad = spark.createDataFrame([("user/empty", payload)], "key string, payload string")
+        with pytest.raises(InvalidArgument, match=r"1 row with a null payload .*'user/empty'"):
+            offer_dataframe(good.union(bad).coalesce(1), url, "nulls")
+    structs = spark.createDataFrame(
+        [("user/1", (1,)), ("user/2", None), ("user/3", None)], "key string, payload struct<a: int>"
+    ).coalesce(1)
+    with pytest.raises(InvalidArgument, match=r"2 rows with a null payload .*'user/2'"):
+        offer_dataframe(structs, url, "nulls")
+    # Nothing of a refused partition was written; the good rows then go in, fields null or not.
+    check = create_engine(url)
+    try:
+        with check.connect() as conn:
+            assert conn.execute(sa.text("SELECT count(*) FROM delayed_queue")).scalar() == 0
+    finally:
+        check.dispose()
+    fine = spark.createDataFrame(
+        [("user/1", (1,)), ("user/2", (None,))], "key string, payload struct<a: int>"
+    )
+    assert offer_dataframe(fine, url, "nulls").created == 2
+    q: DelayedQueue[Any] = DelayedQueue("nulls")
+    check = create_engine(url)
+    try:
+        with sa.orm.Session(check) as s:
+            taken = q.try_poll_many(s, 10)
+            assert sorted((m.key, m.payload) for m in taken) == [
+                ("user/1", {"a": 1}),
+                ("user/2", {"a": None}),
+            ]
+    finally:
+        check.dispose()
+
+
 def test_spark_in_memory_sqlite_is_refused_before_any_task(spark: SparkSession) -> None:
     df = spark.createDataFrame([("k", "{}")], "key string, payload string")
     for url in ("sqlite://", "sqlite:///:memory:", "sqlite:///file:m?mode=memory&uri=true"):

@@ -297,11 +297,33 @@ def _check_names(
         )
 
 
+def _check_payloads(payload: pa.Array, partition: int, key: pa.Array) -> None:
+    """Refuse null payloads: SQL NULL, or JSON text that is ``null``.
+
+    Stored, JSON ``null`` reads back exactly like a missing payload, which a consumer takes for
+    a damaged row and buries dead at its first take, without running its handler; so such a
+    row is refused here, as ``offer`` refuses a ``None`` payload.
+    """
+    if not len(payload):
+        return
+    null = pc.fill_null(pc.equal(pc.utf8_trim_whitespace(payload), "null"), True)
+    count = pc.sum(null).as_py() or 0
+    if count:
+        i = pc.index(null, True).as_py()
+        rows = "1 row" if count == 1 else f"{count} rows"
+        raise InvalidArgument(
+            f"partition {partition} has {rows} with a null payload (the first: key "
+            f"{_shown(key[i].as_py())}); every message needs a payload, and JSON null reads "
+            "back like a missing one; fill it, e.g. F.coalesce(F.col('payload'), F.lit('{}'))"
+        )
+
+
 def normalise(batch: pa.RecordBatch, partition: int) -> pa.RecordBatch:
     """Validate one input batch and give its times an explicit UTC zone."""
     queue, key, payload, at = (batch.column(i) for i in range(4))
     _check_names(key, "key", KEY_MAX, partition, key, payload)
     _check_names(queue, "queue", QUEUE_MAX, partition, key, payload)
+    _check_payloads(payload, partition, key)
     # Zoned values are instants; naive ones were allowed on the driver only as UTC.
     at = pc.cast(at, pa.timestamp("us", tz="UTC"))
     return pa.RecordBatch.from_arrays([queue, key, payload, at], names=list(WRITE_COLUMNS))

@@ -84,9 +84,7 @@ def write_partition(
     return total
 
 
-def _payload(key: str, text: str | None) -> Any:
-    if text is None:
-        return None
+def _payload(key: str, text: str) -> Any:
     try:
         return json.loads(text)
     except ValueError as exc:

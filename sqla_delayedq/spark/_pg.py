@@ -132,7 +132,7 @@ def upsert(table: Sequence[str], mode: OfferMode, *, timed: bool = True) -> sql.
     scheduled = sql.SQL("s.at" if marked else "COALESCE(s.at, %(now)s::timestamptz)")
     return sql.SQL(
         'WITH s AS (SELECT DISTINCT ON (queue COLLATE "C", key COLLATE "C") queue, key, '
-        "COALESCE(payload, 'null')::jsonb AS payload, at FROM {stage} "
+        "payload::jsonb AS payload, at FROM {stage} "
         'ORDER BY queue COLLATE "C", key COLLATE "C", ctid {order}), '
         "w AS (INSERT INTO {table} AS t (queue, key, payload_type, payload, payload_bytes, "
         "status, scheduled_at, scheduled_at_initially, created_at, attempts) "
@@ -239,7 +239,7 @@ def first_bad_payload(conn: Any) -> tuple[str, str, str] | None:
     rows = conn.execute(
         sql.SQL("SELECT key, payload FROM {} ORDER BY ctid").format(STAGE)
     ).fetchall()
-    probe = "SELECT count(COALESCE(v, 'null')::jsonb) FROM unnest(%s::text[]) AS v"
+    probe = "SELECT count(v::jsonb) FROM unnest(%s::text[]) AS v"
 
     def error(lo: int, hi: int) -> str | None:
         try:

@@ -274,9 +274,9 @@ def offer_dataframe(
 
     Safe to run again: rows already there as offered are ``ignored``. On PostgreSQL the counts
     are exact whichever task attempts committed; elsewhere they may be approximate after a
-    retry (see :class:`OfferCounts`). A bad row (null or over-long key, payload that is not
-    JSON) fails its partition's transaction and the call, with an :class:`InvalidArgument`
-    naming the row.
+    retry (see :class:`OfferCounts`). A bad row (null or over-long key, null payload or one
+    that is not JSON) fails its partition's transaction and the call, with an
+    :class:`InvalidArgument` naming the row.
     """
     with prepare_offer(
         df,
