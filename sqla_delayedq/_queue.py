@@ -35,8 +35,17 @@ T = TypeVar("T")
 __all__ = ["DelayedQueue", "OfferInput"]
 
 
-def _envelope(row: Any, payload: T, due_at: datetime, prev_token: str | None) -> Envelope[T]:
-    """The envelope of a taken row; ``due_at`` and ``prev_token`` as they were before the take."""
+def _envelope(
+    row: Any,
+    payload: T,
+    due_at: datetime,
+    prev_token: str | None,
+    lock_token: str | None = None,
+    lease_until: datetime | None = None,
+) -> Envelope[T]:
+    """The envelope of a taken row; ``due_at`` and ``prev_token`` as they were before the take.
+    ``lock_token`` and ``lease_until`` are the row's own unless given (a consumed row has
+    neither: an empty token, and "until now")."""
     return built(
         Envelope,
         id=row.id,
@@ -48,8 +57,8 @@ def _envelope(row: Any, payload: T, due_at: datetime, prev_token: str | None) ->
         created_at=row.created_at,
         delivery=Delivery.FIRST if prev_token is None else Delivery.REDELIVERY,
         attempt=row.attempts + 1,
-        lock_token=row.lock_token,
-        lease_until=row.scheduled_at,
+        lock_token=row.lock_token if lock_token is None else lock_token,
+        lease_until=row.scheduled_at if lease_until is None else lease_until,
         headers=decode_headers(row.headers),
         group=row.group_key,
         priority=row.priority,
@@ -370,11 +379,7 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
             self._put_back(session, row, row.attempts + 1, error_text(exc), None, now)
             return None
         # Consumed: no lease and no token; the row's own due time and token are the "before".
-        return replace(
-            _envelope(row, payload, row.scheduled_at, row.lock_token),
-            lock_token="",
-            lease_until=now,
-        )
+        return _envelope(row, payload, row.scheduled_at, row.lock_token, "", now)
 
     def _put_back(
         self,
