@@ -353,36 +353,46 @@ def heartbeat_every(registrations: Sequence[Registration]) -> float:
 
 
 class InFlight:
-    """Envelopes being handled in lease mode, for the heartbeat and for shutdown."""
+    """Envelopes being handled in lease mode, for the heartbeat and for shutdown.
+
+    Keyed by delivery (row id and lock token), not by row: an offer that replaces a message in
+    flight makes it due again at once, so the same consumer may take the new version while a
+    handler still runs the old one. Each handler then settles its own delivery, with its own
+    token (the old one's ack is refused), and neither overwrites the other's entry here.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._items: dict[tuple[int, Any], tuple[Registration, Envelope[Any], float]] = {}
+        self._items: dict[tuple[int, int, str], tuple[Registration, Envelope[Any], float]] = {}
+
+    @staticmethod
+    def _key(reg: Registration, env: Envelope[Any]) -> tuple[int, int, str]:
+        return (id(reg), env.id, env.lock_token)
 
     def add(self, reg: Registration, *envs: Envelope[Any]) -> None:
         started = time.monotonic()
         with self._lock:
             for env in envs:
-                self._items[(id(reg), env.id)] = (reg, env, started)
+                self._items[self._key(reg, env)] = (reg, env, started)
 
     def replace(self, reg: Registration, env: Envelope[Any]) -> None:
+        """An extended lease (same delivery, same token) replaces the entry it extends."""
         with self._lock:
-            item = self._items.get((id(reg), env.id))
+            key = self._key(reg, env)
+            item = self._items.get(key)
             if item is not None:
-                self._items[(id(reg), env.id)] = (reg, env, item[2])
+                self._items[key] = (reg, env, item[2])
 
     def current(self, reg: Registration, envs: Sequence[Envelope[Any]]) -> list[Envelope[Any]]:
         """The envelopes as the heartbeat last extended them (or as given)."""
         with self._lock:
-            items = self._items
-            return [
-                env if (item := items.get((id(reg), env.id))) is None else item[1] for env in envs
-            ]
+            items, key = self._items, self._key
+            return [env if (item := items.get(key(reg, env))) is None else item[1] for env in envs]
 
     def pop(self, reg: Registration, *envs: Envelope[Any]) -> None:
         with self._lock:
             for env in envs:
-                self._items.pop((id(reg), env.id), None)
+                self._items.pop(self._key(reg, env), None)
 
     def snapshot(self) -> list[tuple[Registration, Envelope[Any], float]]:
         with self._lock:

@@ -271,6 +271,58 @@ def test_a_failing_transactional_handler_runs_at_most_max_attempts_times(backend
     assert sorted(runs) == sorted((k, a) for k in keys for a in (1, 2))
 
 
+@pytest.mark.parametrize("old_fails", [False, True], ids=["old-succeeds", "old-fails"])
+def test_a_message_replaced_in_flight_is_settled_by_each_delivery_s_own_handler(
+    backend, make_worker, old_fails
+):
+    """An offer that replaces a message in flight makes it due again, and another consumer of
+    the same worker takes the new version while the old one's handler still runs. The worker
+    kept one entry per row: the old handler's outcome was settled with the new delivery's
+    token, so the old ack deleted the new version (whose own handler then failed: lost), or
+    the old failure was recorded on the new version (buried dead, its handler succeeding)."""
+    retry = ExponentialBackoff(max_attempts=1, initial=timedelta(hours=1), jitter=0)
+    q: DelayedQueue[Any] = DelayedQueue("replaced", lease=timedelta(seconds=30), retry=retry)
+    offer(backend, q, "K", {"v": 1})
+    old_running, new_running, old_done = threading.Event(), threading.Event(), threading.Event()
+    ran: list[int] = []
+
+    def handler(env: Envelope[Any]) -> None:
+        v = env.payload["v"]
+        ran.append(v)
+        if v == 1:
+            old_running.set()
+            assert new_running.wait(30)
+            old_done.set()
+            if old_fails:
+                raise RuntimeError("the old version failed")
+            return
+        new_running.set()
+        assert old_done.wait(30)
+        time.sleep(0.5)  # the old delivery is settled meanwhile
+        if not old_fails:
+            raise RuntimeError("the new version failed, and must be retried")
+
+    hooks = RecordingHooks()
+    worker = make_worker(backend, concurrency=2, poll_interval=0.05, listen=False, hooks=hooks)
+    worker.register(q, handler)
+    settled = 2 if old_fails else 1  # an ack refused as late is logged, not a hook
+    with running(worker):
+        assert old_running.wait(30)
+        offer(backend, q, "K", {"v": 2})  # REPLACE: due now, with no lock token
+        assert wait_for(lambda: len(hooks.processed_) + len(hooks.failed_) >= settled, 30)
+    assert sorted(ran) == [1, 2]
+    with backend.Session() as s:
+        info = q.get(s, "K")
+    if old_fails:  # the old failure is refused; the new version's success acknowledges it
+        assert info is None
+        assert [f[4] for f in hooks.failed_] == [NackOutcome.STALE]
+        assert len(hooks.processed_) == 1
+    else:  # the old ack is refused; the new version's failure is recorded on it
+        assert info is not None and info.payload == {"v": 2}
+        assert info.state is State.DEAD and "new version failed" in (info.last_error or "")
+        assert hooks.processed_ == []
+
+
 # -- transactional mode: the transaction is the consumer's -----------------------------------
 
 
