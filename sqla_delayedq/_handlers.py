@@ -26,10 +26,12 @@ from .errors import HandlerMisuse, InvalidArgument
 
 __all__ = [
     "HandlerNotAwaited",
+    "HandlerNotRun",
     "call_sync_handler",
     "check_async_handler",
     "check_sync_handler",
     "is_async_callable",
+    "refuse_unrun",
     "run_in_savepoint",
 ]
 
@@ -37,20 +39,39 @@ __all__ = [
 _HANDLING = "sqla_delayedq.handling"
 
 
-class HandlerNotAwaited(TypeError):
-    """A handler run by a synchronous consumer returned an awaitable: it never ran."""
+class HandlerNotRun(TypeError):
+    """A handler returned what still holds its work (a generator, or a coroutine nobody will
+    await): the message was not handled, so the attempt fails instead of being acknowledged."""
+
+
+class HandlerNotAwaited(HandlerNotRun):
+    """A handler returned an awaitable that its consumer does not await: it never ran."""
+
+
+def _called(fn: Any) -> Any:
+    """What runs when ``fn`` is called: through partials, and an object's class's ``__call__``
+    (an instance attribute is not consulted)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if inspect.isfunction(fn) or inspect.ismethod(fn):
+        return fn
+    return type(fn).__call__
 
 
 def is_async_callable(fn: Any) -> bool:
     """Whether calling ``fn`` returns a coroutine (``async def``, partials and objects of one)."""
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    if inspect.iscoroutinefunction(fn):
-        return True
-    if inspect.isfunction(fn) or inspect.ismethod(fn):
-        return False
-    # An object: calling it runs its class's __call__ (an instance attribute is not consulted).
-    return inspect.iscoroutinefunction(type(fn).__call__)
+    return inspect.iscoroutinefunction(_called(fn))
+
+
+def _generator_kind(fn: Any) -> str | None:
+    """``"a generator function"`` or ``"an async generator function"``: calling one runs none
+    of its body. None for anything else."""
+    called = _called(fn)
+    if inspect.isasyncgenfunction(called):
+        return "an async generator function"
+    if inspect.isgeneratorfunction(called):
+        return "a generator function"
+    return None
 
 
 def _name(fn: Any) -> str:
@@ -67,12 +88,24 @@ def check_sync_handler(handler: Any, where: str) -> None:
             "never await it and acknowledge a message that was never handled. Register it on "
             "sqla_delayedq.aio.AsyncWorker, or pass a plain function"
         )
+    _refuse_generators(handler, where)
+
+
+def _refuse_generators(handler: Any, where: str) -> None:
+    kind = _generator_kind(handler)
+    if kind is not None:
+        raise InvalidArgument(
+            f"{where}: {_name(handler)} is {kind} (it uses yield): calling it creates a "
+            "generator and runs none of its body, so its messages would be acknowledged "
+            "unhandled. Do the work in the function itself and return (no yield)"
+        )
 
 
 def check_async_handler(handler: Any, where: str) -> None:
     """Refuse what the asyncio worker cannot await: non-callables and plain functions."""
     if not callable(handler):
         raise InvalidArgument(f"{where}: a handler must be callable, not {type(handler).__name__}")
+    _refuse_generators(handler, where)
     if not is_async_callable(handler):
         raise InvalidArgument(
             f"{where}: {_name(handler)} is not an async function; the asyncio worker awaits its "
@@ -81,20 +114,39 @@ def check_async_handler(handler: Any, where: str) -> None:
 
 
 def call_sync_handler(handler: Callable[..., Any], *args: Any) -> Any:
-    """Call a handler of a synchronous consumer; an awaitable result is a failure, not success.
+    """Call a handler of a synchronous consumer; what it returns must not hold its work.
 
-    The coroutine is closed unrun and :class:`HandlerNotAwaited` is raised, so the attempt is
-    recorded as failed (and retried) instead of being acknowledged.
+    See :func:`refuse_unrun`: a coroutine or generator is closed unrun and the attempt fails
+    (and is retried) instead of being acknowledged.
     """
-    result = handler(*args)
-    if inspect.isawaitable(result):
+    return refuse_unrun(handler, handler(*args), awaits=False)
+
+
+def refuse_unrun(handler: Any, result: Any, *, awaits: bool) -> Any:
+    """``result``, what ``handler`` returned, unless it still holds the handler's work: an
+    awaitable the consumer will not await (a synchronous consumer awaits nothing; the asyncio
+    worker awaits the handler's own coroutine, not one it returns: a missing ``await``), or a
+    generator. Those are closed unrun and :class:`HandlerNotRun` is raised, so the attempt is
+    recorded as failed instead of being acknowledged."""
+    if inspect.isawaitable(result) or inspect.isasyncgen(result):
         close = getattr(result, "close", None)
         if close is not None:
             close()  # no "never awaited" warning: the failure below says it instead
+        if awaits:
+            raise HandlerNotAwaited(
+                f"async handler {_name(handler)} returned {type(result).__name__} instead of "
+                "its result: a missing await? The message was not handled"
+            )
         raise HandlerNotAwaited(
             f"handler {_name(handler)} returned {type(result).__name__}, which a synchronous "
             "worker cannot await: the message was not handled. Register async handlers on "
             "sqla_delayedq.aio.AsyncWorker"
+        )
+    if inspect.isgenerator(result):
+        result.close()
+        raise HandlerNotRun(
+            f"handler {_name(handler)} returned a generator, whose body never ran: the message "
+            "was not handled. Do the work in the handler itself and return (no yield)"
         )
     return result
 

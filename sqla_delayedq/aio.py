@@ -37,7 +37,7 @@ from sqlalchemy.util import await_only, greenlet_spawn
 from ._consumer import BaseWorker, Mode, WorkerHooks, hand_out
 from ._dialects import is_transient
 from ._engine import configure_sqlite, engine_options
-from ._handlers import check_async_handler
+from ._handlers import check_async_handler, refuse_unrun
 from ._offers import OfferInput
 from ._queue import DelayedQueue
 from ._transaction import backoff_delays
@@ -364,8 +364,10 @@ class AsyncRuntime:
         args = tuple(self._async_of.get(a, a) if isinstance(a, Session) else a for a in args)
         result = handler(*args)
         if inspect.isawaitable(result):
-            return await_only(result)
-        return result  # it already ran to its end; awaiting it again would run nothing twice
+            result = await_only(result)
+        # A plain result: the handler already ran to its end (awaiting it again would run
+        # nothing twice). One that still holds work (a missing await) fails the attempt.
+        return refuse_unrun(handler, result, awaits=True)
 
     def sleep(self, seconds: float) -> None:
         await_only(asyncio.sleep(seconds))

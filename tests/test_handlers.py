@@ -77,6 +77,49 @@ def test_the_thread_worker_refuses_async_handlers(backend, handler):
         worker.register_batch(q, handler)
 
 
+def generator_handler(env: Envelope[Any]) -> Any:
+    yield env  # a generator: calling it runs none of this
+    raise AssertionError("never run")
+
+
+async def async_generator_handler(env: Envelope[Any]) -> Any:
+    yield env
+    raise AssertionError("never run")
+
+
+class GeneratorCallable:
+    def __call__(self, env: Envelope[Any]) -> Any:
+        yield env
+
+
+@pytest.mark.parametrize(
+    ("handler", "kind"),
+    [
+        (generator_handler, "a generator function"),
+        (functools.partial(generator_handler), "a generator function"),
+        (GeneratorCallable(), "a generator function"),
+        (async_generator_handler, "an async generator function"),
+    ],
+    ids=["generator", "partial", "callable", "async-generator"],
+)
+def test_both_workers_refuse_generator_handlers(backend, handler, kind):
+    """Calling a generator function runs none of its body: the worker got a generator back,
+    took it for success and acknowledged the message unhandled."""
+    q: DelayedQueue[Any] = DelayedQueue("h")
+    worker = Worker(backend.Session)
+    with pytest.raises(InvalidArgument, match=f"is {kind} .*acknowledged unhandled"):
+        worker.register(q, handler)
+    with pytest.raises(InvalidArgument, match=kind):
+        worker.register(q, handler, mode="transactional")
+    with pytest.raises(InvalidArgument, match=kind):
+        worker.register_batch(q, handler)
+    aworker = AsyncWorker(backend.Session)
+    with pytest.raises(InvalidArgument, match=kind):
+        aworker.register(q, handler)
+    with pytest.raises(InvalidArgument, match=kind):
+        aworker.register_batch(q, handler)
+
+
 def test_the_asyncio_worker_refuses_plain_functions(async_backend):
     worker = AsyncWorker(async_backend.sessions)
     with pytest.raises(InvalidArgument, match=r"not an async function.*async def"):
@@ -174,16 +217,25 @@ def _coroutine_returning(calls: list[str]) -> Callable[..., Any]:
     return lambda env, *rest: body(env)
 
 
+def _generator_returning(calls: list[str]) -> Callable[..., Any]:
+    def body(env: Envelope[Any]) -> Any:
+        calls.append(env.key)  # would only run if something iterated it
+        yield
+
+    return lambda env, *rest: body(env)
+
+
+@pytest.mark.parametrize("returns", ["coroutine", "generator"])
 @pytest.mark.parametrize("mode", ["lease", "transactional", "batch"])
 def test_a_handler_returning_a_coroutine_fails_its_attempt_on_the_thread_worker(
-    backend, mode, caplog
+    backend, mode, returns, caplog
 ):
     q: DelayedQueue[Any] = DelayedQueue(f"coro-{mode}", retry=NO_RETRY_DELAY)
     with backend.Session.begin() as s:
         q.offer(s, "k", {"v": 1})
     ran: list[str] = []
     worker = Worker(backend.Session, concurrency=1, poll_interval=0.05, listen=False)
-    handler = _coroutine_returning(ran)
+    handler = (_coroutine_returning if returns == "coroutine" else _generator_returning)(ran)
     if mode == "batch":
         worker.register_batch(q, handler, batch_size=10)
     else:
@@ -203,9 +255,56 @@ def test_a_handler_returning_a_coroutine_fails_its_attempt_on_the_thread_worker(
     with backend.Session() as s:
         (info,) = q.search(s, MessageFilter(state="dead"))
     assert info.attempts == 2  # ... so each attempt failed instead of being acknowledged
-    assert "HandlerNotAwaited" in (info.last_error or "")
-    assert "AsyncWorker" in (info.last_error or "")
+    if returns == "coroutine":
+        assert "HandlerNotAwaited" in (info.last_error or "")
+        assert "AsyncWorker" in (info.last_error or "")
+    else:
+        assert "HandlerNotRun" in (info.last_error or "")
+        assert "generator, whose body never ran" in (info.last_error or "")
     assert any(r.levelno >= logging.ERROR and "dead" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("mode", ["lease", "transactional", "batch"])
+def test_an_async_handler_that_returns_a_coroutine_unawaited_fails_its_attempt(
+    async_backend, mode, caplog
+):
+    """``async def h(env): return send(env)``: the worker awaited ``h`` and acknowledged,
+    and ``send`` never ran. Now the attempt fails, saying why."""
+    q: DelayedQueue[Any] = DelayedQueue(f"forgot-{mode}", retry=NO_RETRY_DELAY)
+    with async_backend.sync.Session.begin() as s:
+        q.offer(s, "k", {"v": 1})
+    sent: list[str] = []
+
+    async def send(env: Any) -> None:
+        sent.append("sent")
+
+    async def forgot_await(env: Any, *session: Any) -> Any:
+        return send(env)
+
+    async def scenario() -> None:
+        worker = AsyncWorker(async_backend.sessions, concurrency=1, poll_interval=0.05)
+        if mode == "batch":
+            worker.register_batch(q, forgot_await, batch_size=10)
+        else:
+            worker.register(q, forgot_await, mode=mode)
+        task = asyncio.create_task(worker.run(install_signal_handlers=False))
+        try:
+            for _ in range(1000):  # the second attempt's failure buries it: logged as ERROR
+                if any(r.levelno == logging.ERROR for r in caplog.records):
+                    break
+                await asyncio.sleep(0.02)
+        finally:
+            worker.request_stop()
+            await task
+
+    caplog.set_level(logging.WARNING, logger="sqla_delayedq")
+    asyncio.run(scenario())
+    assert sent == []
+    with async_backend.sync.Session() as s:
+        (info,) = q.search(s, MessageFilter(state="dead"))
+    assert info.attempts == 2
+    assert "HandlerNotAwaited" in (info.last_error or "")
+    assert "missing await" in (info.last_error or "")
 
 
 def test_the_asyncio_worker_does_not_run_a_handler_twice_when_it_returned_no_awaitable():
