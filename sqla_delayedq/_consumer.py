@@ -29,6 +29,7 @@ from sqlalchemy.orm import Session
 from . import _planner, controls
 from . import _statements as st
 from ._dialects import TAKE_ONLY, Listener, is_transient, strategy_class
+from ._handlers import is_cancellation
 from ._leases import Ahead, LeasedQueue, Polled
 from ._time import require_duration
 from ._types import Envelope, NackOutcome
@@ -692,6 +693,14 @@ class BaseWorker(Generic[S]):
                 self._db_error(exc)
                 rt.pause(backoff(errors))
                 continue
+            except BaseException as exc:
+                # SystemExit, KeyboardInterrupt or a cancellation that is not the worker's
+                # stop, from a handler (a transactional one: its take rolled back) or the loop:
+                # the consumer would end without a word, the worker running on without it.
+                if rt.stopping and is_cancellation(exc):
+                    raise
+                self._fail(exc, "a handler or the poll loop")
+                return
             if worked or rt.stopping:
                 continue
             # Nothing more was due (or every take was partial): wait for an offer, the next due
@@ -824,6 +833,16 @@ class BaseWorker(Generic[S]):
             self.rt.call(reg.handler, arg)
         except Exception as exc:
             self._failed(reg, envs, exc)
+        except BaseException as exc:
+            if self.rt.stopping and is_cancellation(exc):
+                raise  # the drain's cancel: still in flight, the stop releases them
+            # SystemExit, KeyboardInterrupt, a cancellation of the handler's own: the attempt
+            # failed (counted, recorded), and the worker stops loudly rather than lose a
+            # consumer without a word and keep the messages leased for ever.
+            self._failed(reg, envs, exc)
+            self._in_flight.pop(reg, *envs)
+            self._fail(exc, f"the handler of {reg.source.name}")
+            return None
         else:
             after = self._succeeded(reg, envs, started, then)
         self._in_flight.pop(reg, *envs)
@@ -928,7 +947,13 @@ class BaseWorker(Generic[S]):
             if rt.stopping:
                 return Taken(0, False, None)
             started = time.monotonic()
-            result, ahead = reg.source.process_next(s, handle)
+            try:
+                result, ahead = reg.source.process_next(s, handle)
+            except BaseException as exc:
+                if not isinstance(exc, Exception) and not (rt.stopping and is_cancellation(exc)):
+                    # Stop before the rollback makes the message due again (see _consume).
+                    self._fail(exc, f"the handler of {reg.source.name}")
+                raise
             if result is None:
                 return Taken(0, False, self._idle(s, reg))
         envelope, error, outcome = result

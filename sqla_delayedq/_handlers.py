@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,7 @@ __all__ = [
     "check_async_handler",
     "check_sync_handler",
     "is_async_callable",
+    "is_cancellation",
     "refuse_unrun",
     "run_in_savepoint",
 ]
@@ -72,6 +74,18 @@ def _generator_kind(fn: Any) -> str | None:
     if inspect.isgeneratorfunction(called):
         return "a generator function"
     return None
+
+
+def is_cancellation(exc: BaseException) -> bool:
+    """Whether ``exc`` cancels the code it interrupts rather than reporting a failure: asyncio's
+    ``CancelledError`` (a drain that timed out, a cancelled ``run()``) and greenlet's
+    ``GreenletExit``. Looked up only where those modules are loaded: without them neither can
+    be raised, and importing asyncio here would weigh on every import of the package."""
+    for module, name in (("asyncio", "CancelledError"), ("greenlet", "GreenletExit")):
+        kind = getattr(sys.modules.get(module), name, None)
+        if kind is not None and isinstance(exc, kind):
+            return True
+    return False
 
 
 def _name(fn: Any) -> str:

@@ -456,18 +456,34 @@ class AsyncWorker(BaseWorker[async_sessionmaker[AsyncSession]]):
             side.append(asyncio.create_task(greenlet_spawn(self._heartbeat)))
         tasks = [asyncio.create_task(greenlet_spawn(self._consume)) for _ in self._slots()]
         log.info("%s started: %d tasks on %s", self.name, self.concurrency, self._tables())
+        cancelled: asyncio.CancelledError | None = None
         try:
-            await rt.stopped()
-            _, pending = await asyncio.wait(tasks, timeout=self.drain_timeout)
+            try:
+                await rt.stopped()
+            except asyncio.CancelledError as exc:
+                # run() itself was cancelled (a lifespan's or a task group's shutdown): stop
+                # as on a signal, then let the cancellation go on. Consumers left running
+                # would go on taking, with no heartbeat for their leases.
+                cancelled = exc
+                self.request_stop()
+            try:
+                _, pending = await asyncio.wait(tasks, timeout=self.drain_timeout)
+            except asyncio.CancelledError as exc:  # cancelled (again) while draining: no drain
+                cancelled = exc
+                pending = {t for t in tasks if not t.done()}
             for t in pending:
                 t.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
             await greenlet_spawn(self._release_in_flight)
             await greenlet_spawn(self._stop_periodic)
             log.info("%s stopped (%d tasks did not finish in time)", self.name, len(pending))
+            if cancelled is not None:
+                raise cancelled
             self._raise_failure()
             return not pending
         finally:
+            for t in tasks:  # whatever ended run(), no consumer outlives it
+                t.cancel()
             for t in side:
                 t.cancel()
             await asyncio.gather(*side, return_exceptions=True)

@@ -196,8 +196,12 @@ class Worker(BaseWorker[sessionmaker[Session]]):
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: self.request_stop())
         self.start()
-        while not self.stopping:
-            self.rt.pause(0.5)
+        try:
+            while not self.stopping:
+                self.rt.pause(0.5)
+        except BaseException:
+            self.stop()  # interrupted (KeyboardInterrupt without our signal handlers): no thread
+            raise  # of ours goes on taking after run() is gone
         drained = self.stop()
         self._raise_failure()
         return drained

@@ -307,6 +307,86 @@ def test_an_async_handler_that_returns_a_coroutine_unawaited_fails_its_attempt(
     assert "missing await" in (info.last_error or "")
 
 
+def test_an_async_handler_s_own_cancellation_fails_its_attempt_and_stops_the_worker(
+    async_backend,
+):
+    """A handler that raises ``CancelledError`` of its own (it awaited a future someone else
+    cancelled) ended its consumer task without a word: the worker ran on with no consumer, the
+    heartbeat kept the message leased for ever, no attempt counted."""
+    q: DelayedQueue[Any] = DelayedQueue("own-cancel", lease=timedelta(seconds=1))
+    with async_backend.sync.Session.begin() as s:
+        q.offer(s, "k", {"v": 1})
+    runs: list[str] = []
+
+    async def handler(env: Envelope[Any]) -> None:
+        runs.append(env.key)
+        raise asyncio.CancelledError()
+
+    async def scenario() -> BaseException | None:
+        worker = AsyncWorker(async_backend.sessions, concurrency=1, poll_interval=0.02)
+        worker.register(q, handler)
+        task = asyncio.create_task(worker.run(install_signal_handlers=False))
+        try:
+            await asyncio.wait_for(task, 30)
+        except WorkerError as exc:
+            return exc.__cause__
+        return None
+
+    error = asyncio.run(scenario())
+    assert isinstance(error, asyncio.CancelledError)
+    assert runs == ["k"]
+    with async_backend.sync.Session() as s:
+        info = q.get(s, "k")
+    assert info is not None and info.lock_token is None and info.attempts == 1
+    assert "CancelledError" in (info.last_error or "")
+
+
+def test_a_cancelled_async_worker_run_leaves_no_consumer_behind(async_backend):
+    """Cancelling the task that runs ``AsyncWorker.run()`` (a lifespan's shutdown) cancelled
+    only its side tasks: the consumers went on taking, with no heartbeat. Now a cancelled
+    ``run()`` stops like a signal (drains, then releases) and the cancellation goes on."""
+    q: DelayedQueue[Any] = DelayedQueue("cancel-run", lease=timedelta(seconds=30))
+    with async_backend.sync.Session.begin() as s:
+        q.offer(s, "m1", {})
+    started: list[str] = []
+    finished: list[str] = []
+
+    async def handler(env: Envelope[Any]) -> None:
+        started.append(env.key)
+        await asyncio.sleep(0.5)
+        finished.append(env.key)
+
+    async def scenario() -> None:
+        worker = AsyncWorker(
+            async_backend.sessions, concurrency=2, poll_interval=0.02, drain_timeout=10
+        )
+        worker.register(q, handler)
+        task = asyncio.create_task(worker.run(install_signal_handlers=False))
+        for _ in range(1500):
+            if started:
+                break
+            await asyncio.sleep(0.02)
+        assert started == ["m1"]
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert finished == ["m1"]  # drained, as on a signal
+
+        def offer_m2() -> None:
+            with async_backend.sync.Session.begin() as s:
+                q.offer(s, "m2", {})
+
+        await asyncio.to_thread(offer_m2)
+        await asyncio.sleep(1.0)  # an orphaned consumer, polling every 20 ms, takes it now
+
+    asyncio.run(scenario())
+    assert started == ["m1"]
+    with async_backend.sync.Session() as s:
+        assert q.get(s, "m1") is None
+        m2 = q.get(s, "m2")
+        assert m2 is not None and m2.lock_token is None and m2.attempts == 0
+
+
 def test_the_asyncio_worker_does_not_run_a_handler_twice_when_it_returned_no_awaitable():
     """Defence in depth behind the registration check: a callable that returned a plain value
     has already run to its end; that is its outcome (awaiting it would fail and retry it)."""

@@ -323,6 +323,48 @@ def test_a_message_replaced_in_flight_is_settled_by_each_delivery_s_own_handler(
         assert hooks.processed_ == []
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("raised", [SystemExit, KeyboardInterrupt], ids=["exit", "interrupt"])
+def test_a_handler_raising_a_base_exception_stops_the_worker_loudly(
+    backend, make_worker, mode, raised
+):
+    """``sys.exit()`` in a library, a ``KeyboardInterrupt``: not an ``Exception``, so it ended
+    its consumer without a word. The worker ran on with no consumer (``failure`` None), and in
+    lease mode the heartbeat kept the message leased for ever, no attempt counted. Now the
+    worker stops with the error; a lease-mode attempt is recorded, and a transactional take
+    rolls back (the message is due, its attempt not recorded, as for a crash)."""
+    q: DelayedQueue[Any] = DelayedQueue("base-exc", lease=timedelta(seconds=1))
+    offer(backend, q, "poison")
+    runs: list[str] = []
+
+    def handler(env: Envelope[Any], session: Session | None = None) -> None:
+        runs.append(env.key)
+        raise raised("the handler bails out")
+
+    worker = make_worker(backend, concurrency=1, poll_interval=0.02, listen=False)
+    worker.register(q, handler, mode=mode)
+    worker.start()
+    try:
+        assert wait_for(lambda: bool(runs), 30)
+        assert wait_for(lambda: getattr(worker, "worker", worker).stopping, 30)
+    finally:
+        try:
+            worker.stop(5)
+            error = getattr(worker, "worker", worker).failure
+        except WorkerError as exc:  # the asyncio worker's run() raised it
+            error = exc.__cause__
+    assert isinstance(error, raised)
+    assert runs == ["poison"]  # once: the worker stopped instead of looping or leasing it
+    with backend.Session() as s:
+        info = q.get(s, "poison")
+    assert info is not None and info.lock_token is None  # not held by a lease
+    if mode == "lease":  # a failed attempt: scheduled for its retry
+        assert info.state is State.SCHEDULED
+        assert info.attempts == 1 and raised.__name__ in (info.last_error or "")
+    else:
+        assert info.state is State.DUE and info.attempts == 0
+
+
 # -- transactional mode: the transaction is the consumer's -----------------------------------
 
 
