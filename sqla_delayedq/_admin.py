@@ -16,7 +16,7 @@ from sqlalchemy.sql import ColumnElement
 from . import _filters as flt
 from . import _statements as st
 from ._cli_stats import queue_stats
-from ._codec import Codec, decode_headers
+from ._codec import Codec, check_strings, decode_headers
 from ._dialects import transient_as_ours
 from ._rules import check_priority
 from ._time import require_aware, require_duration
@@ -69,7 +69,7 @@ class AdminMixin:
             now,
             state=None if f.state is None else State.parse(f.state).value,
             key_prefix=f.key_prefix,
-            keys=f.keys,
+            keys=None if f.keys is None else check_strings(f.keys, "keys"),
             payload=dict(f.payload),
             scheduled_before=None
             if f.scheduled_before is None

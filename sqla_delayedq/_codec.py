@@ -18,7 +18,8 @@ from __future__ import annotations
 import json
 import re
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from decimal import Decimal
 from typing import Any, Generic, TypeVar
 
 from sqlalchemy import Text, literal
@@ -35,10 +36,12 @@ __all__ = [
     "CorruptJSON",
     "LenientJSON",
     "check_name",
+    "check_strings",
     "check_text",
     "decode_headers",
     "encode_headers",
     "error_text",
+    "same_json",
     "verbatim",
 ]
 
@@ -78,6 +81,32 @@ def check_name(value: Any, what: str, limit: int) -> str:
     if len(value) > limit:
         raise InvalidArgument(f"{what} is {len(value)} characters; the limit is {limit}")
     return check_text(value, what)
+
+
+def check_strings(value: Any, what: str) -> tuple[str, ...]:
+    """A collection of strings (a tuple, list or set), each storable, as a tuple.
+
+    A lone ``str`` (or ``bytes``) is refused: iterating it would give its characters, and an
+    operation meant for the key ``"ab"`` would apply to the keys ``"a"`` and ``"b"``.
+    """
+    if isinstance(value, str):
+        raise InvalidArgument(
+            f"{what} must be a collection of strings, got the str {value[:40]!r}; "
+            f"for one, pass {what}=({value[:40]!r},)"
+        )
+    if isinstance(value, (bytes, bytearray, memoryview)) or not isinstance(value, Iterable):
+        raise InvalidArgument(
+            f"{what} must be a collection of strings (a tuple, list or set), "
+            f"got {type(value).__name__}"
+        )
+    items = tuple(value)
+    for i, item in enumerate(items):
+        if not isinstance(item, str):
+            raise InvalidArgument(
+                f"{what} must hold strings; item {i} is {type(item).__name__} {item!r:.40}"
+            )
+        check_text(item, f"{what}[{i}]")
+    return items
 
 
 def error_text(error: BaseException | str) -> str:
@@ -178,6 +207,44 @@ def _bad_path(value: Any, path: str = "payload") -> str:
     return ""
 
 
+def same_json(a: Any, b: Any) -> bool:
+    """Whether two decoded JSON values are the same JSON document: the rule that decides
+    whether an offer is ``IGNORED``.
+
+    Stricter than ``==``, which calls ``True`` equal to ``1``: a boolean equals only the same
+    boolean, recursively through arrays and objects (object key order does not matter). Numbers
+    compare as the JSON numbers they are, whatever Python type a driver reads them as: ``1`` and
+    ``1.0`` are the same number, and so are the float ``1e23`` and the int ``10**23`` that
+    PostgreSQL's ``jsonb`` hands back for it (it stores the decimal value, not the double).
+    """
+    if type(a) is not type(b):
+        return _same_across_types(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_json(v, b[k]) for k, v in a.items())
+    if isinstance(a, list):
+        return len(a) == len(b) and all(map(same_json, a, b))
+    return bool(a == b)  # one scalar type: ``True`` and ``1`` never get here together
+
+
+def _same_across_types(a: Any, b: Any) -> bool:
+    """:func:`same_json` of values of two Python types: an int and a float of one value, or
+    containers a custom JSON deserializer returned as subclasses."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return False
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return _number(a) == _number(b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_json(v, b[k]) for k, v in a.items())
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(map(same_json, a, b))
+    return False
+
+
+def _number(value: int | float) -> Decimal:
+    """The JSON number ``value`` stands for: a float is the decimal its shortest text reads."""
+    return Decimal(repr(value)) if isinstance(value, float) else Decimal(value)
+
+
 class CorruptJSON:
     """Stored JSON text that does not parse (possible on SQLite, whose JSON is plain text)."""
 
@@ -254,6 +321,8 @@ class Codec(Generic[T]):
         else:
             try:
                 text = json.dumps(self.serializer.encode(payload), allow_nan=False)
+            except EncodeError:
+                raise
             except (TypeError, ValueError) as exc:
                 raise EncodeError(f"payload is not JSON-serializable: {exc}") from exc
         if text == "null":
@@ -304,10 +373,11 @@ class Codec(Generic[T]):
 
     @staticmethod
     def same(row: Any, values: dict[str, Any]) -> bool:
-        """Whether a stored row already holds exactly these payload columns."""
+        """Whether a stored row already holds exactly these payload columns (JSON compared by
+        :func:`same_json`, bytes byte for byte)."""
         return bool(
             row.payload_type == values["payload_type"]
-            and row.payload == values["payload"]
+            and same_json(row.payload, values["payload"])
             and row.payload_bytes == values["payload_bytes"]
         )
 

@@ -117,9 +117,11 @@ class JsonFieldEquals(ColumnElement[bool]):
     """``payload.<name> == value`` comparing JSON values, types included, on every backend.
 
     A cast (``->>`` then ``::int``) would fail on rows whose field holds text and would match
-    ``"5"`` to ``5``; this compares JSON to JSON instead: containment (``@>``) on PostgreSQL,
-    ``JSON_CONTAINS`` on MariaDB/MySQL, ``json_type`` plus ``json_extract`` on SQLite. Numbers
-    compare by value (``5`` matches ``5.0``); strings, numbers and booleans never match each other.
+    ``"5"`` to ``5``; this compares JSON to JSON instead: containment (``@>``, which a GIN index
+    on the payload serves) on PostgreSQL, ``JSON_CONTAINS`` plus a ``JSON_TYPE`` that is not an
+    array or object on MariaDB/MySQL, ``json_type`` plus ``json_extract`` on SQLite. Numbers
+    compare by value (``5`` matches ``5.0``); strings, numbers and booleans never match each
+    other, and a field holding an array or object never matches, even one that contains the value.
     """
 
     inherit_cache = True
@@ -162,7 +164,12 @@ def _json_eq_mysql(element: JsonFieldEquals, compiler: Any, **kw: Any) -> str:
     column = compiler.process(element.column, **kw)
     scalar = compiler.process(element.scalar, **kw)
     path = compiler.process(element.path, **kw)
-    return f"(JSON_CONTAINS({column}, {scalar}, {path}) = 1)"
+    # JSON_CONTAINS also finds a scalar among an array's members ([3345, 12] contains 3345):
+    # the field must be a scalar itself, as on the other backends.
+    return (
+        f"(JSON_CONTAINS({column}, {scalar}, {path}) = 1 "
+        f"AND JSON_TYPE(JSON_EXTRACT({column}, {path})) NOT IN ('ARRAY', 'OBJECT'))"
+    )
 
 
 @compiles(JsonFieldEquals, "sqlite")

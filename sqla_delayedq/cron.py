@@ -22,8 +22,9 @@ How it stays correct with many installers and a changing configuration:
   again after it was delivered and deleted, even by an installer whose clock lags.
 - **The config hash** is a digest of the schedule and the payload template. When it differs from
   the stored one, the old configuration's *future* ticks (not yet due, not in flight) are deleted
-  and generation restarts at now. Ticks that are due, leased by a consumer, being retried, dead
-  or kept as done stay where they are: they belong to a time the old configuration was in force.
+  and generation restarts just after now. Ticks that are due (one at now included), leased by a
+  consumer, being retried, dead or kept as done stay where they are: they belong to a time the
+  old configuration was in force, so an instant never has a tick of both.
 - **Catch-up**: ticks that fell between two passes further apart than the look-ahead (nothing
   was running) are skipped with :attr:`CatchUp.SKIP`; :attr:`CatchUp.LATEST` delivers the latest
   of them once, at once. Ticks already stored are ordinary messages: consumers that were down
@@ -470,7 +471,9 @@ def install_tick(
     # installer created meanwhile holds its progress: only another configuration resets it.
     replaced = other or not found
     removed = _drop_future(session, queue, config, now) if replaced else 0
-    until = now if other else state.until
+    # The old configuration keeps its ticks up to now, a tick at now included (it is due, so
+    # it stays): the new one starts just after, or a change at a tick's instant fires it twice.
+    until = now + _MICRO if other else state.until
     since = now if other else state.since
 
     ticks: list[CronTick] = []

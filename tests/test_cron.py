@@ -494,6 +494,47 @@ def test_changed_configuration_replaces_future_ticks_and_keeps_in_flight_ones(
     ]
 
 
+@pytest.mark.parametrize("old_tick", ["due", "in_flight", "delivered"])
+def test_a_change_whose_pass_runs_at_a_tick_instant_fires_that_tick_once(
+    backend: Backend,
+    clock: FakeClock,
+    make_queue: Callable[..., DelayedQueue[Any]],
+    old_tick: str,
+) -> None:
+    """The tick at the instant of the change is due: it stays the old configuration's, and the
+    new one starts after it, whether that tick is waiting, taken or already handled."""
+    queue = make_queue("cron")
+    old = CronConfig("report", PeriodicTick(HOUR))
+    new = CronConfig("report", PeriodicTick(HOUR), {"format": "pdf"})
+    a, b = old.config_hash, new.config_hash
+    clock.set(utc(2030, 1, 1, 12, 30))
+    run_install(backend.Session, queue, old, lookahead=HOUR)  # 13:00
+    clock.set(utc(2030, 1, 1, 13))
+    delivered: list[str] = []
+    taken = None
+    if old_tick != "due":
+        with backend.Session.begin() as s:
+            taken = queue.try_poll(s)
+        assert taken is not None
+        delivered.append(taken.key)
+        if old_tick == "delivered":
+            with backend.Session.begin() as s:
+                assert queue.ack(s, taken)
+
+    result = run_install(backend.Session, queue, new, lookahead=HOUR)  # exactly at 13:00
+    assert (result.replaced, result.removed, result.created) == (True, 0, 0)
+    if old_tick == "in_flight":
+        assert taken is not None
+        with backend.Session.begin() as s:
+            assert queue.ack(s, taken)
+    delivered += walk(backend, queue, clock, new, until=utc(2030, 1, 1, 15), lookahead=HOUR)
+    assert delivered == [
+        f"report/{a}/20300101T130000Z",
+        f"report/{b}/20300101T140000Z",
+        f"report/{b}/20300101T150000Z",
+    ]
+
+
 def test_uninstall_removes_exactly_the_named_configuration(
     backend: Backend, clock: FakeClock, make_queue: Callable[..., DelayedQueue[Any]]
 ) -> None:
