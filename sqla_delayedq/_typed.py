@@ -2,6 +2,7 @@
 
 Writing turns a dataclass into JSON values: nested dataclasses become objects, tuples lists,
 ``datetime``/``date``/``time`` ISO text, ``UUID`` and ``Decimal`` text, enums their value.
+A ``field(init=False)`` is written too but not read back (the class computes it again).
 Reading rebuilds the dataclass from its type hints and checks the stored document against it:
 a missing required field, a field the class no longer defines, or a value of the wrong type is a
 :class:`~sqla_delayedq.DecodeError` naming the path (``payload.items[2].sku``), which buries the
@@ -90,10 +91,18 @@ def build(hint: Any, value: Any, path: str, unknown: UnknownFields) -> Any:
 def _dataclass(cls: type, value: Any, path: str, unknown: UnknownFields) -> Any:
     if not isinstance(value, dict):
         raise _fail(path, f"an object for {cls.__qualname__}", value)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    every = dataclasses.fields(cls)
+    fields = {f.name: f for f in every if f.init}
+    # A ``field(init=False)`` is written (it may be worth a filter) but never read back: the
+    # class computes it again (``__post_init__`` or its default).
+    derived = {f.name for f in every if not f.init}
     name = cls.__qualname__
     problems: list[str] = []
-    extra = sorted(k for k in value if k not in fields) if unknown == "error" else []
+    extra = (
+        sorted(k for k in value if k not in fields and k not in derived)
+        if unknown == "error"
+        else []
+    )
     if extra:
         problems.append(f"field(s) {', '.join(map(repr, extra))} not defined by {name}")
     missing = [

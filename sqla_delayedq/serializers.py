@@ -140,6 +140,21 @@ class BytesSerializer:
         return bytes(stored)
 
 
+def _reads_back(decode: Any, encoded: Any, name: str) -> Any:
+    """``encoded``, once ``decode`` has read it back: a payload that would be stored in a form
+    its own class cannot read is an :class:`EncodeError` now, not a dead message at its first
+    take (a ``datetime`` in a ``date`` field, a value dataclasses let through untyped, a field
+    a model dumps but does not take)."""
+    try:
+        decode(encoded)
+    except DecodeError as exc:
+        why = str(exc).replace(f" {CHANGED}", "")
+        raise EncodeError(
+            f"this {name} would be stored as JSON it cannot be read back from: {why}"
+        ) from exc
+    return encoded
+
+
 def _type_name(type_name: str | None, cls: type) -> str:
     name = cls.__qualname__ if type_name is None else type_name
     if not name or len(name) > 100:
@@ -158,7 +173,10 @@ class DataclassSerializer(Generic[D]):
 
     :param cls: the dataclass. Fields may be JSON values, nested dataclasses, lists, tuples,
         dicts, ``Optional``/unions, ``Literal``, enums, ``datetime``/``date``/``time``,
-        ``UUID`` and ``Decimal``; reading checks each value against the field's type.
+        ``UUID`` and ``Decimal``; reading checks each value against the field's type, and so
+        does an offer (dataclasses do not check types): a payload that would not read back,
+        such as a ``datetime`` in a ``date`` field, is an :class:`~sqla_delayedq.EncodeError`.
+        ``field(init=False)`` values are written but not read back (the class computes them).
     :param type_name: recorded on every row and checked on read; defaults to the class's
         qualified name. Name it explicitly to keep messages readable across a class rename.
     :param unknown_fields: a stored field the class does not define is an error (poison) by
@@ -184,7 +202,7 @@ class DataclassSerializer(Generic[D]):
             raise EncodeError(
                 f"this queue takes {self.cls.__qualname__} payloads, got {type(payload).__name__}"
             )
-        return to_json(payload)
+        return _reads_back(self.decode, to_json(payload), self.cls.__qualname__)
 
     def decode(self, stored: Any) -> D:
         value: D = build(self.cls, stored, "payload", self.unknown_fields)
@@ -195,8 +213,10 @@ class PydanticSerializer(Generic[M]):
     """Instances of one pydantic model (v2), stored as JSON and validated on read.
 
     Needs the ``pydantic`` extra (``pip install 'sqla_delayedq[pydantic]'``). Writing stores
-    ``model_dump(mode="json", by_alias=True)``; reading runs ``model_validate``, and a stored
-    document that fails it is a :class:`~sqla_delayedq.DecodeError` listing each error.
+    ``model_dump(mode="json", by_alias=True)`` (computed fields included, so they can be
+    filtered on; reading drops them); reading runs ``model_validate``, and a stored document
+    that fails it is a :class:`~sqla_delayedq.DecodeError` listing each error. An offer whose
+    dump would not validate back is an :class:`~sqla_delayedq.EncodeError`.
 
     :param model: the ``BaseModel`` subclass.
     :param type_name: as for :class:`DataclassSerializer`.
@@ -222,6 +242,13 @@ class PydanticSerializer(Generic[M]):
         self.type_name = _type_name(type_name, model)
         self.unknown_fields = _check_unknown(unknown_fields)
         self._validation_error = pydantic.ValidationError
+        #: Computed fields are written (queryable) but are outputs: reading drops them.
+        self._computed = frozenset(
+            n
+            for name, info in model.model_computed_fields.items()
+            for n in (name, info.alias)
+            if isinstance(n, str)
+        )
         self._known: frozenset[str] | None = None
         if self.unknown_fields == "error" and model.model_config.get("extra") != "allow":
             names: set[str] = set()
@@ -238,11 +265,14 @@ class PydanticSerializer(Generic[M]):
             raise EncodeError(
                 f"this queue takes {self.model.__qualname__} payloads, got {type(payload).__name__}"
             )
-        return payload.model_dump(mode="json", by_alias=True)
+        dumped = payload.model_dump(mode="json", by_alias=True)
+        return _reads_back(self.decode, dumped, self.model.__qualname__)
 
     def decode(self, stored: Any) -> M:
         name = self.model.__qualname__
         problems: list[str] = []
+        if self._computed and isinstance(stored, dict) and not self._computed.isdisjoint(stored):
+            stored = {k: v for k, v in stored.items() if k not in self._computed}
         if self._known is not None and isinstance(stored, dict):
             extra = sorted(k for k in stored if k not in self._known)
             if extra:

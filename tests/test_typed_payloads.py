@@ -2,7 +2,9 @@
 
 On every backend, for both serializers: a payload round-trips as its class (nested objects,
 times, enums) and stays queryable by field; a payload of the wrong type is refused before any
-SQL runs; a stored payload that no longer fits the class after a deploy (a field removed, a
+SQL runs, and so is one that would be stored in a form its class cannot read back; derived
+fields (``field(init=False)``, ``computed_field``) are stored and computed again on read; a
+stored payload that no longer fits the class after a deploy (a field removed, a
 required field renamed, a value retyped) is buried as dead with an error that says so, and the
 message behind it is delivered, by a poll and by both workers, which keep running.
 """
@@ -10,8 +12,8 @@ message behind it is delivered, by a poll and by both workers, which keep runnin
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from dataclasses import InitVar, dataclass, field
+from datetime import date, datetime, timezone
 from decimal import Decimal
 from typing import Any
 
@@ -29,6 +31,7 @@ from sqla_delayedq import (
     State,
 )
 from sqla_delayedq.testing import assert_offered
+from tests.fix_queue import record_sql
 from tests.fix_workers import running
 from tests.test_worker import wait_for
 
@@ -275,3 +278,133 @@ def test_unknown_fields_can_be_ignored(backend, make_queue) -> None:
         envs = lenient.try_poll_many(s, 2)
     assert [e.payload for e in envs] == [NoteRemoved(1), NoteRemoved(2)]
     assert q.name == lenient.name
+
+
+@dataclass(frozen=True)
+class Priced:
+    net: int
+    tax: int
+    gross: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "gross", self.net + self.tax)
+
+
+class PPriced(pydantic.BaseModel):
+    net: int
+    tax: int
+
+    @pydantic.computed_field  # type: ignore[prop-decorator]
+    @property
+    def gross(self) -> int:
+        return self.net + self.tax
+
+
+class PPricedStrict(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    net: int
+    tax: int
+
+    @pydantic.computed_field(alias="grossAmount")  # type: ignore[prop-decorator]
+    @property
+    def gross(self) -> int:
+        return self.net + self.tax
+
+
+DERIVED = {
+    "dataclass-init-false": (DataclassSerializer(Priced), Priced(5, 2), "gross"),
+    "pydantic-computed": (PydanticSerializer(PPriced), PPriced(net=5, tax=2), "gross"),
+    "pydantic-computed-forbid-extra": (
+        PydanticSerializer(PPricedStrict),
+        PPricedStrict(net=5, tax=2),
+        "grossAmount",
+    ),
+}
+
+
+@pytest.mark.parametrize(("ser", "payload", "stored_as"), DERIVED.values(), ids=DERIVED.keys())
+def test_a_derived_field_is_stored_for_filters_and_computed_again_on_read(
+    backend, make_queue, ser, payload, stored_as
+):
+    q = make_queue("priced", serializer=ser)
+    with backend.Session.begin() as s:
+        assert q.offer(s, "p/1", payload).outcome.value == "created"
+        assert q.offer(s, "p/1", payload).outcome.value == "ignored"
+    with backend.Session() as s:
+        (found,) = q.search(s, MessageFilter(payload={stored_as: 7}))
+        assert found.payload == payload and found.decode_error is None
+    with backend.Session.begin() as s:
+        env = q.try_poll(s)
+        assert env is not None and env.payload == payload and env.payload.gross == 7
+        assert q.ack(s, env)
+    with backend.Session() as s:
+        assert q.count(s) == 0  # handled, not buried
+
+
+@dataclass
+class Booking:
+    day: date
+
+
+@dataclass
+class Counted:
+    n: int
+
+
+@dataclass
+class Scaled:
+    n: int
+    scale: InitVar[int]
+
+    def __post_init__(self, scale: int) -> None:
+        self.n *= scale
+
+
+class PSecret(pydantic.BaseModel):
+    token: str = pydantic.Field(exclude=True)
+    n: int
+
+
+UNREADABLE = {
+    "datetime-in-a-date-field": (
+        DataclassSerializer(Booking),
+        Booking(datetime(2030, 1, 1, 9, tzinfo=timezone.utc)),
+        r"^this Booking would be stored as JSON it cannot be read back from: payload\.day: "
+        r"expected date text, got str '2030-01-01T09:00:00\+00:00'$",
+    ),
+    "text-in-an-int-field": (
+        DataclassSerializer(Counted),
+        Counted("7"),  # type: ignore[arg-type]
+        r"^this Counted would be .*: payload\.n: expected int, got str '7'$",
+    ),
+    "an-init-var": (
+        DataclassSerializer(Scaled),
+        Scaled(1, 3),
+        r"^this Scaled would be .*: payload: Scaled\(\.\.\.\) raised TypeError",
+    ),
+    "an-excluded-required-field": (
+        PydanticSerializer(PSecret),
+        PSecret(token="t", n=1),
+        r"^this PSecret would be .*: payload does not fit PSecret: payload\.token: Field required$",
+    ),
+}
+
+
+@pytest.mark.parametrize("how", ["offer", "batch"])
+@pytest.mark.parametrize(("ser", "payload", "message"), UNREADABLE.values(), ids=UNREADABLE.keys())
+def test_a_payload_that_would_not_read_back_is_refused_before_any_sql(
+    backend, make_queue, ser, payload, message, how
+):
+    q = make_queue("unreadable", serializer=ser)
+    with (
+        record_sql(backend.engine) as sql,
+        backend.Session.begin() as s,
+        pytest.raises(EncodeError, match=message),
+    ):
+        if how == "batch":
+            q.offer_batch(s, [("k", payload)])
+        else:
+            q.offer(s, "k", payload)
+    assert sql == []
+    with backend.Session() as s:
+        assert q.count(s) == 0
