@@ -898,7 +898,7 @@ class BaseWorker(Generic[S]):
             return int(bool(reg.source.ack(s, envs[0])))
         return reg.source.ack_many(s, envs)
 
-    def _failed(self, reg: Registration, envs: list[Envelope[Any]], error: Exception) -> None:
+    def _failed(self, reg: Registration, envs: list[Envelope[Any]], error: BaseException) -> None:
         for env in self._in_flight.current(reg, envs):
             outcome = self._settle(reg, env, "nack", error)
             log_failure(reg.source.name, env.key, env.attempt, error, outcome)

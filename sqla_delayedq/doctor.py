@@ -29,6 +29,7 @@ from typing import Any
 
 from sqlalchemy import Connection, text
 
+from ._codec import check_strings
 from ._engine import Family, family
 
 __all__ = ["Diagnosis", "HorizonHolder", "TableHealth", "diagnose"]
@@ -109,6 +110,7 @@ def diagnose(
 
     ``threshold``: seconds a transaction must have been open to count as holding the horizon.
     """
+    tables = check_strings(tables, "tables")
     kind = family(conn.dialect)
     if kind is Family.POSTGRESQL:
         return _postgresql(conn, tables, threshold)

@@ -50,6 +50,7 @@ from sqlalchemy import Table
 from sqlalchemy.orm import Session
 
 from ._cli_stats import STATES, QueueStats, queue_stats
+from ._codec import check_strings
 from ._handlers import is_async_callable
 from ._types import Envelope, NackOutcome, OfferMode, OfferResult
 from .errors import InvalidArgument
@@ -354,7 +355,7 @@ class StatsCache:
             raise InvalidArgument(f"max_read_share must be in (0, 1] or None, got {max_read_share}")
         self.sessions = sessions
         self.table: Table = table if table is not None else DelayedMessage.__table__  # type: ignore[assignment]
-        self.queues = None if queues is None else list(queues)
+        self.queues = None if queues is None else list(check_strings(queues, "queues"))
         self.min_interval = min_interval
         self.at_most = at_most
         self.max_read_share = max_read_share
@@ -488,7 +489,7 @@ class HealthCollector:
         namespace: str = "delayedq",
     ) -> None:
         self.engine = engine
-        self.tables = list(tables)
+        self.tables = list(check_strings(tables, "tables"))
         self.min_interval = min_interval
         self.namespace = namespace
         self._lock = threading.Lock()

@@ -234,6 +234,19 @@ def test_collector_of_named_queues_reports_empty_ones_as_zero(backend: Backend) 
     assert sample(registry, "delayedq_messages", queue="emails", state="due") is None
 
 
+def test_a_lone_name_is_refused_not_split_into_letters() -> None:
+    """``queues="emails"`` was read as the queues ``e``, ``m``, ``a``... and reported zeros."""
+    from sqla_delayedq.doctor import diagnose
+    from sqla_delayedq.metrics import HealthCollector
+
+    with pytest.raises(InvalidArgument, match=r"queues must be a collection.*\('emails',\)"):
+        QueueStatsCollector(Session, queues="emails")
+    with pytest.raises(InvalidArgument, match="tables must be a collection"):
+        HealthCollector(None, tables="delayed_queue")
+    with pytest.raises(InvalidArgument, match="tables must be a collection"):
+        diagnose(None, "delayed_queue")  # type: ignore[arg-type]
+
+
 on_all_backends = pytest.mark.parametrize(
     "backend", ["sqlite", "postgresql", "mariadb"], indirect=True
 )

@@ -335,9 +335,8 @@ def test_spark_null_payloads_are_refused_not_buried_dead(
     from sqla_delayedq import create_engine
     from sqla_delayedq.models import metadata
 
-    if backend == "postgresql":
-        url = pg.url
-    else:
+    url: Any = pg.url
+    if backend == "sqlite":
         url = f"sqlite:///{tmp_path / 'nulls.sqlite'}"
         engine = create_engine(url)
         metadata.create_all(engine)

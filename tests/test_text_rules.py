@@ -1,5 +1,6 @@
 """Text rules on every backend: what cannot be stored is refused before SQL, naming the field;
-key prefixes are literal and case-sensitive, so an admin command touches only what it names."""
+key prefixes are literal and case-sensitive, payload fields match the scalar and nothing that
+holds it, and keys are a collection of strings, so an admin command touches only what it names."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from sqla_delayedq import (
     DelayedMessage,
     DelayedQueue,
     EncodeError,
+    ExponentialBackoff,
     InvalidArgument,
     MessageFilter,
 )
@@ -128,3 +130,113 @@ def test_the_cli_drops_only_the_keys_with_the_exact_prefix(backend, make_queue):
     assert dropped.exit_code == 0, dropped.output
     with backend.Session() as s:
         assert sorted(m.key for m in q.search(s)) == sorted(set(KEYS) - {"apple/2"})
+
+
+FIELD_PAYLOADS = {
+    "int": {"companyId": 3345},
+    "float": {"companyId": 3345.0},
+    "in-an-array": {"companyId": [3345, 12]},
+    "in-a-nested-array": {"companyId": [[3345]]},
+    "after-an-object": {"companyId": [{"x": 1}, 3345]},
+    "in-an-object": {"companyId": {"companyId": 3345}},
+    "top-level-array": [{"companyId": 3345}],
+    "text": {"companyId": "3345"},
+    "text-in-an-array": {"companyId": ["3345"]},
+    "true": {"companyId": True},
+    "true-in-an-array": {"companyId": [True]},
+}
+
+FIELD_FILTERS = [
+    ({"companyId": 3345}, ["float", "int"]),
+    ({"companyId": "3345"}, ["text"]),
+    ({"companyId": True}, ["true"]),
+]
+
+
+@pytest.mark.parametrize(("field", "expected"), FIELD_FILTERS, ids=repr)
+def test_a_payload_field_filter_matches_the_scalar_not_an_array_that_holds_it(
+    backend, make_queue, field, expected
+):
+    q = make_queue()
+    with backend.Session.begin() as s:
+        q.offer_batch(s, list(FIELD_PAYLOADS.items()))
+    f = MessageFilter(payload=field)
+    with backend.Session() as s:
+        assert sorted(m.key for m in q.search(s, f)) == expected
+        assert q.count(s, f) == len(expected)
+    with backend.Session.begin() as s:
+        assert q.reschedule(s, f) == len(expected)
+    with backend.Session.begin() as s:
+        assert q.drop_where(s, f) == len(expected)
+    with backend.Session() as s:
+        assert sorted(m.key for m in q.search(s)) == sorted(set(FIELD_PAYLOADS) - set(expected))
+
+
+def test_requeue_dead_by_payload_field_leaves_arrays_that_hold_the_value(backend, make_queue):
+    q = make_queue(retry=ExponentialBackoff(max_attempts=1))
+    with backend.Session.begin() as s:
+        q.offer_batch(s, list(FIELD_PAYLOADS.items()))
+    with backend.Session.begin() as s:
+        while (env := q.try_poll(s)) is not None:
+            q.nack(s, env, "boom")
+    with backend.Session.begin() as s:
+        assert q.count(s, MessageFilter(state="dead")) == len(FIELD_PAYLOADS)
+        assert q.requeue_dead(s, MessageFilter(payload={"companyId": 3345})) == 2
+    with backend.Session() as s:
+        requeued = q.search(s, MessageFilter(state="pending"))
+        assert sorted(m.key for m in requeued) == ["float", "int"]
+
+
+def test_the_cli_where_drops_only_the_scalar_field(backend, make_queue):
+    from click.testing import CliRunner
+
+    from sqla_delayedq.cli import cli
+
+    q = DelayedQueue("cli-where")
+    with backend.Session.begin() as s:
+        q.offer_batch(s, list(FIELD_PAYLOADS.items()))
+    url = backend.url.render_as_string(hide_password=False)
+    dropped = CliRunner().invoke(
+        cli, ["drop", "--url", url, "-q", "cli-where", "--where", "companyId=3345", "--yes"]
+    )
+    assert dropped.exit_code == 0, dropped.output
+    with backend.Session() as s:
+        left = sorted(m.key for m in q.search(s))
+    assert left == sorted(set(FIELD_PAYLOADS) - {"int", "float"})
+
+
+NOT_KEYS = {
+    "str": ("ab", r"keys must be a collection of strings, got the str 'ab'; .*keys=\('ab',\)"),
+    "bytes": (b"ab", "keys must be a collection of strings .*got bytes"),
+    "int": (7, "keys must be a collection of strings .*got int"),
+    "int-item": (("ab", 7), "keys must hold strings; item 1 is int"),
+    "bytes-item": ([b"ab"], "keys must hold strings; item 0 is bytes"),
+    "nul-item": (("a\x00b",), r"keys\[0\] contains a NUL"),
+}
+
+
+@pytest.mark.parametrize(("keys", "message"), NOT_KEYS.values(), ids=NOT_KEYS.keys())
+def test_keys_that_are_not_a_collection_of_strings_are_refused_and_touch_nothing(
+    backend, make_queue, keys, message
+):
+    q = make_queue()
+    with backend.Session.begin() as s:
+        q.offer_batch(s, [(k, {"k": k}) for k in ("ab", "a", "b")])
+    f = MessageFilter(keys=keys)
+    with record_sql(backend.engine) as sql, backend.Session.begin() as s:
+        for call in (q.drop_where, q.search, q.count, q.reschedule, q.requeue_dead):
+            with pytest.raises(InvalidArgument, match=message):
+                call(s, f)
+    assert sql == []
+    assert row_count(backend) == 3
+
+
+@pytest.mark.parametrize("keys", [("ab",), ["ab"], {"ab"}, frozenset({"ab"})], ids=repr)
+def test_keys_as_a_tuple_list_or_set_name_exactly_those_keys(backend, make_queue, keys):
+    q = make_queue()
+    with backend.Session.begin() as s:
+        q.offer_batch(s, [(k, {"k": k}) for k in ("ab", "a", "b")])
+    with backend.Session.begin() as s:
+        assert q.drop_where(s, MessageFilter(keys=keys)) == 1
+    with backend.Session() as s:
+        assert sorted(m.key for m in q.search(s)) == ["a", "b"]
