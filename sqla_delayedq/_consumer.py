@@ -802,7 +802,7 @@ class BaseWorker(Generic[S]):
             then = size if chain and taken.chainable else 0
             if reg.batch is not None:
                 self._observe(reg, *envs)
-                after = self._handle(reg, envs, envs, then)
+                after = self._handle(reg, envs, list(envs), then)  # its own list to change
             else:
                 after = None
                 for i, env in enumerate(envs):

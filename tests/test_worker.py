@@ -365,6 +365,28 @@ def test_a_handler_raising_a_base_exception_stops_the_worker_loudly(
         assert info.state is State.DUE and info.attempts == 0
 
 
+def test_a_batch_handler_that_empties_its_list_still_has_every_message_acknowledged(
+    backend, make_worker
+):
+    """The batch handler was given the very list the worker then acknowledged: a handler that
+    consumed it (``while envs: envs.pop()``) left its messages neither acknowledged nor failed,
+    their leases extended until the worker stopped, and then handled again."""
+    q: DelayedQueue[Any] = DelayedQueue("batch-pop", lease=timedelta(seconds=30))
+    with backend.Session() as s, s.begin():
+        q.offer_batch(s, [(f"m{i}", {"i": i}) for i in range(5)])
+    handled: list[str] = []
+
+    def handler(envs: list[Envelope[Any]]) -> None:
+        while envs:
+            handled.append(envs.pop().key)
+
+    worker = make_worker(backend, concurrency=1, poll_interval=0.05, listen=False)
+    worker.register_batch(q, handler, batch_size=10)
+    with running(worker):
+        assert wait_for(lambda: pending(backend, q) == 0, 30)
+    assert sorted(handled) == [f"m{i}" for i in range(5)]
+
+
 # -- transactional mode: the transaction is the consumer's -----------------------------------
 
 
