@@ -11,7 +11,7 @@ from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any, TypeVar, cast
 
-from sqlalchemy import Engine, Table, delete, update
+from sqlalchemy import Engine, Table, delete, select, update
 from sqlalchemy.orm import Session
 
 from . import _offers
@@ -457,18 +457,27 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         """Record a failed attempt of a consumed message whose transaction rolled back.
 
         Guarded by the row as it was before the take: if another consumer has taken the message
-        since the rollback, its own attempt counts instead and nothing changes (``STALE``).
+        since the rollback, its own attempt counts instead and nothing changes (``STALE``); so
+        does an offer that replaced it since (a new version, whose first attempt this is not).
         """
         t = self.table
         now = self.now()
         when = None if at is None else require_aware(at, "at")
         failure = after_failure(self.retry_policy, envelope.attempt, now, when)
-        # Any take since the rollback moved scheduled_at (a lease) or removed the row.
+        # Any take since the rollback moved scheduled_at (a lease) or removed the row; an offer
+        # that changed it reset its attempts or changed its payload (the offer's own rule of
+        # what is the same message), which only reading the row can tell.
         guard = [
             t.c.id == envelope.id,
             t.c.status == "pending",
             t.c.scheduled_at == envelope.scheduled_at,
+            t.c.attempts == envelope.attempt - 1,
         ]
+        found = session.execute(
+            select(t.c.payload_type, t.c.payload, t.c.payload_bytes).where(*guard).with_for_update()
+        ).first()
+        if found is None or not self.codec.same(found, self.codec.values(envelope.payload)):
+            return NackOutcome.STALE
         values: dict[str, Any] = {
             "attempts": failure.attempts,
             "last_error": error_text(error),

@@ -16,6 +16,7 @@ from sqla_delayedq import (
     InvalidArgument,
     MessageFilter,
     NackOutcome,
+    OfferMode,
     Outcome,
     State,
 )
@@ -382,6 +383,39 @@ def test_consume_removes_on_commit_and_restores_on_rollback(backend, make_queue,
     with backend.Session() as s, s.begin():
         assert q.record_failure(s, env, "final") is NackOutcome.DEAD
         assert q.get(s, "a").status == "dead"
+
+
+@pytest.mark.parametrize("mode", [OfferMode.REPLACE, OfferMode.KEEP_SCHEDULE])
+def test_a_failure_recorded_after_a_rollback_spares_a_version_offered_meanwhile(
+    backend, make_queue, clock, mode
+):
+    """The rolled-back attempt of v1 was recorded on v2, offered in between with the same due
+    time: v2 took v1's attempt (dead at once with one attempt allowed) without its handler
+    ever running. The record now applies only to the version that was taken."""
+    q = make_queue(retry=ExponentialBackoff(max_attempts=1, initial=timedelta(seconds=5)))
+    now = clock()
+    at = now - timedelta(seconds=1)
+    with backend.Session() as s, s.begin():
+        q.offer(s, "k", {"text": "v1"}, at)
+    with pytest.raises(RuntimeError), backend.Session() as s, s.begin():
+        (env,) = q.consume(s)
+        raise RuntimeError("v1's handler failed: rolled back")
+    with backend.Session() as s, s.begin():
+        assert q.offer(s, "k", {"text": "v2"}, at, mode=mode).outcome is Outcome.UPDATED
+    with backend.Session() as s, s.begin():
+        assert q.record_failure(s, env, "v1 failed") is NackOutcome.STALE
+    with backend.Session() as s, s.begin():
+        (taken,) = q.consume(s)
+        assert taken.payload == {"text": "v2"} and taken.attempt == 1
+    # Without an offer in between, the record applies (and, one attempt allowed, buries it).
+    with backend.Session() as s, s.begin():
+        q.offer(s, "j", {"text": "j"}, at)
+    with pytest.raises(RuntimeError), backend.Session() as s, s.begin():
+        (env,) = q.consume(s)
+        raise RuntimeError("rolled back")
+    with backend.Session() as s, s.begin():
+        assert q.record_failure(s, env, "j failed") is NackOutcome.DEAD
+        assert q.get(s, "j").status == "dead"
 
 
 def test_consume_buries_poison_and_goes_on(backend, make_queue, clock):
