@@ -30,7 +30,7 @@ from . import _planner, controls
 from . import _statements as st
 from ._dialects import TAKE_ONLY, Listener, is_transient, strategy_class
 from ._handlers import is_cancellation
-from ._leases import Ahead, LeasedQueue, Polled
+from ._leases import Ahead, LeasedQueue, Polled, leases_apart
 from ._time import require_duration
 from ._types import Envelope, NackOutcome
 from ._wakeup import Wake
@@ -347,14 +347,15 @@ def _require(
 
 def heartbeat_every(registrations: Sequence[Registration]) -> float:
     """Seconds between the heartbeat's looks: every half second, or six times per shortest
-    lease of a lease-mode registration when that is sooner (but not more than 100 times a
-    second, whatever the lease)."""
-    leases = [r.lease.total_seconds() for r in registrations if r.mode == "lease"]
+    lease of a registration when that is sooner (but not more than 100 times a second, whatever
+    the lease). Transactional registrations count: a limited queue's take is a lease."""
+    leases = [r.lease.total_seconds() for r in registrations]
     return max(0.01, min([HEARTBEAT_CHECK, *(lease / 6 for lease in leases)]))
 
 
 class InFlight:
-    """Envelopes being handled in lease mode, for the heartbeat and for shutdown.
+    """Envelopes being handled under a lease (lease mode, and a limited queue's transactional
+    take), for the heartbeat and for shutdown.
 
     Keyed by delivery (row id and lock token), not by row: an offer that replaces a message in
     flight makes it due again at once, so the same consumer may take the new version while a
@@ -941,7 +942,15 @@ class BaseWorker(Generic[S]):
 
         def handle(envelope: Envelope[Any], session: Session) -> Any:
             self._observe(reg, envelope)
-            return rt.call(reg.handler, envelope, session)
+            if not (envelope.lock_token and leases_apart(session)):
+                return rt.call(reg.handler, envelope, session)  # the row lock holds it
+            # A limited queue's take is a lease committed apart: without the heartbeat it runs
+            # out under a long handler, and another consumer runs the message beside it.
+            self._in_flight.add(reg, envelope)
+            try:
+                return rt.call(reg.handler, envelope, session)
+            finally:
+                self._in_flight.pop(reg, envelope)
 
         with rt.session() as s, s.begin():
             if rt.stopping:
@@ -976,7 +985,8 @@ class BaseWorker(Generic[S]):
         return Taken(1, True, None) if due_in == 0 else Taken(1, False, due_in)
 
     def _heartbeat(self) -> None:
-        """Extend leases of long lease-mode handlers at half-lease, up to ``handler_timeout``.
+        """Extend the leases of long handlers (lease mode, and a limited queue's transactional
+        takes) at half-lease, up to ``handler_timeout``.
 
         It looks every half second, or six times per shortest lease when that is sooner, so an
         extension comes with at least a third of the lease to spare (a 1 s lease is extended

@@ -86,6 +86,15 @@ class Polled(NamedTuple, Generic[T]):
     ahead: Ahead = UNSEEN
 
 
+def leases_apart(session: Session) -> bool:
+    """Whether a transactional take of a limited queue commits its lease in a transaction of
+    its own (see :meth:`LeasedQueue._limited_take`), so that, until the caller's transaction
+    acknowledges it, the lease is all that keeps other consumers from the row: a worker keeps
+    it extended while the handler runs. Not on SQLite, whose one writer takes it in the
+    caller's transaction."""
+    return strategy_for(session).poll_lock is not None
+
+
 class LeasedQueue(abc.ABC, Generic[T]):
     """Take, acknowledge, fail, release and extend rows of one :class:`Shape` (see module)."""
 
@@ -267,7 +276,7 @@ class LeasedQueue(abc.ABC, Generic[T]):
         lease is taken in the caller's transaction. On a server the lease's transaction borrows
         a second pooled connection for a moment (a pool of ``concurrency + 2``, as workers
         want anyway, is enough)."""
-        if strategy_for(session).poll_lock is None:
+        if not leases_apart(session):
             return self.poll_batch(session, n).envelopes
         bind = session.get_bind()
         with Session(bind=bind.engine, expire_on_commit=False) as side, side.begin():

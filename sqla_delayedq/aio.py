@@ -452,8 +452,8 @@ class AsyncWorker(BaseWorker[async_sessionmaker[AsyncSession]]):
             asyncio.create_task(greenlet_spawn(self._run_periodic, t))
             for t in self._side_tasks(bind)
         ]
-        if any(r.mode == "lease" for r in self._registrations):
-            side.append(asyncio.create_task(greenlet_spawn(self._heartbeat)))
+        # Leases: lease mode's, and the takes of limited queues in transactional mode.
+        side.append(asyncio.create_task(greenlet_spawn(self._heartbeat)))
         tasks = [asyncio.create_task(greenlet_spawn(self._consume)) for _ in self._slots()]
         log.info("%s started: %d tasks on %s", self.name, self.concurrency, self._tables())
         cancelled: asyncio.CancelledError | None = None

@@ -160,8 +160,7 @@ class Worker(BaseWorker[sessionmaker[Session]]):
             self._spawn(lambda task=task: self._run_periodic(task), task.name)  # type: ignore[misc]
         for i in range(self.concurrency):
             self._spawn(self._consume, str(i))
-        if any(r.mode == "lease" for r in self._registrations):
-            self._spawn(self._heartbeat, "hb")
+        self._spawn(self._heartbeat, "hb")  # leases: lease mode's, and limited queues' takes
         log.info("%s started: %d threads on %s", self.name, self.concurrency, self._tables())
 
     def stop(self, drain_timeout: float | None = None) -> bool:

@@ -351,6 +351,42 @@ def test_a_worker_keeps_a_limited_queue_under_its_limits(backend, make_worker, m
     assert peak[0] <= 2
 
 
+def test_a_long_transactional_handler_of_a_limited_queue_keeps_its_lease(backend, make_worker):
+    """A limited queue's transactional take is a lease committed apart, and the heartbeat only
+    watched lease mode: a handler longer than the lease had its message taken again by another
+    consumer while it still ran (one message, run concurrently, attempts burnt)."""
+    from tests.fix_workers import AsyncRunner
+
+    q: DelayedQueue[Any] = DelayedQueue("limited-long", lease=timedelta(seconds=1))
+    with backend.Session() as s, s.begin():
+        q.set_limits(s, max_in_flight=5)
+    offer(backend, q, "job")
+    runs: list[tuple[str, int]] = []
+    done: list[str] = []
+    worker = make_worker(backend, concurrency=2, poll_interval=0.05, listen=False)
+    if isinstance(worker, AsyncRunner):
+
+        async def slow(env: Envelope[Any], session: Any) -> None:
+            runs.append((env.key, env.attempt))
+            await asyncio.sleep(2.5)
+            done.append(env.key)
+
+        worker.worker.register(q, slow, mode="transactional")
+    else:
+
+        def handler(env: Envelope[Any], session: Any) -> None:
+            runs.append((env.key, env.attempt))
+            time.sleep(2.5)
+            done.append(env.key)
+
+        worker.register(q, handler, mode="transactional")
+    with running(worker):
+        assert wait_for(lambda: bool(done), 30)
+        assert wait_for(lambda: q_pending(backend, q) == 0, 10)
+        time.sleep(0.5)
+    assert runs == [("job", 1)]  # once, never beside itself
+
+
 def test_a_resume_from_another_process_wakes_an_idle_worker_through_notify(pg):
     """PostgreSQL: a resume committed by another process wakes an idle worker at once, not at
     its poll interval (30 s here)."""
