@@ -194,7 +194,12 @@ def run_in_savepoint(
             "Raise to fail an attempt; its writes are rolled back for you"
         ) from error
     if error is not None:
-        savepoint.rollback()
+        try:
+            savepoint.rollback()
+        except Exception as gone:
+            # The server ended the whole transaction (InnoDB does on a deadlock), the take with
+            # it: the handler's error is what the consumer must see (transient: run it again).
+            raise error from gone
     return savepoint, error
 
 

@@ -28,7 +28,6 @@ from ._dialects import (
     Claimed,
     Claims,
     Strategy,
-    is_transient,
     strategy_for,
     transient_as_ours,
 )
@@ -298,9 +297,7 @@ class LeasedQueue(abc.ABC, Generic[T]):
         then the ack in the caller's transaction; a failure rolls the handler's writes back
         and records the attempt in that transaction instead."""
         savepoint, exc = run_in_savepoint(session, handler, envelope)
-        if exc is not None:
-            if is_transient(exc):
-                raise exc
+        if exc is not None:  # a transient one too: see DelayedQueue.process_next
             return envelope, exc, self.nack(session, envelope, exc)
         if self.ack(session, envelope):
             savepoint.commit()

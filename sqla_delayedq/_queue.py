@@ -18,7 +18,7 @@ from . import _offers
 from . import _statements as st
 from ._admin import AdminMixin
 from ._codec import Codec, check_name, decode_headers, encode_headers, error_text, verbatim
-from ._dialects import Claimed, Claims, Strategy, is_transient, strategy_for, transient_as_ours
+from ._dialects import Claimed, Claims, Strategy, strategy_for, transient_as_ours
 from ._handlers import run_in_savepoint
 from ._leases import UNSEEN, Ahead, LeasedQueue, Processed, check_count
 from ._offers import OfferInput
@@ -409,8 +409,11 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         and return ``(envelope, None, None)``: the removal commits with the handler's writes.
         When the handler raises, its writes are rolled back to the savepoint and the failed
         attempt is recorded in the same transaction, so the message is never due again before
-        its retry time: ``(envelope, error, outcome)``. Transient database errors are re-raised
-        (roll back and retry: nothing is lost, no attempt is counted). None when nothing is due.
+        its retry time: ``(envelope, error, outcome)``; a transient database error the handler
+        raised counts like any other (lease mode counts it too). Transient errors of the take
+        or the acknowledgement, or a handler error that ended the whole transaction (InnoDB's
+        deadlock), are re-raised: roll back and retry, nothing is lost, no attempt is counted.
+        None when nothing is due.
         """
         return self.process_next(session, handler)[0]
 
@@ -437,8 +440,9 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         if exc is None:
             savepoint.commit()
             return (envelope, None, None), ahead
-        if is_transient(exc):
-            raise exc
+        # Any error of the handler's is a failed attempt, a transient one too (its writes are
+        # rolled back, the transaction goes on): re-raised, it ran the message again and again,
+        # never counted, when it was the handler's own (another database down).
         now = self.now()
         failure = after_failure(self.retry_policy, envelope.attempt, now)
         self._put_back(session, row, failure.attempts, error_text(exc), failure.next_at, now)

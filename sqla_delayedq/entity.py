@@ -576,8 +576,10 @@ class EntityQueue(LeasedQueue[M]):
         savepoint, and mark it succeeded in the same transaction: the handler's changes commit
         with the mark, ``(envelope, None, None)``. When the handler raises, its changes are
         rolled back to the savepoint and the failed attempt is recorded: ``(envelope, error,
-        outcome)``. A crash rolls everything back and the entity is due again at once.
-        Transient database errors are re-raised. None when nothing is due.
+        outcome)``, a transient database error the handler raised included. A crash rolls
+        everything back and the entity is due again at once. Transient database errors of the
+        take or the mark, or one that ended the transaction, are re-raised. None when nothing
+        is due.
         """
         gate = self._transactional_gate(session)
         if gate == "paused":

@@ -387,6 +387,33 @@ def test_a_batch_handler_that_empties_its_list_still_has_every_message_acknowled
     assert sorted(handled) == [f"m{i}" for i in range(5)]
 
 
+def test_a_transient_error_of_a_transactional_handler_counts_as_an_attempt(backend, make_worker):
+    """A transient database error raised by the handler itself (its other database is down)
+    was re-raised as the consumer's own: the take rolled back, no attempt was counted, and the
+    same message ran again and again, for ever. Lease mode counted it; now both modes do."""
+    retry = ExponentialBackoff(max_attempts=3, initial=timedelta(0), jitter=0)
+    q: DelayedQueue[Any] = DelayedQueue("transient-handler", retry=retry)
+    offer(backend, q, "k")
+    runs: list[int] = []
+
+    def handler(env: Envelope[Any], session: Session) -> None:
+        runs.append(env.attempt)
+        raise TransientError("the handler's other database is down")
+
+    hooks = RecordingHooks()
+    worker = make_worker(backend, concurrency=1, poll_interval=0.02, listen=False, hooks=hooks)
+    worker.register(q, handler, mode="transactional")
+    with running(worker):
+        assert wait_for(lambda: len(hooks.failed_) == 3, 30)
+        time.sleep(0.3)
+    assert runs == [1, 2, 3]
+    assert [f[4] for f in hooks.failed_] == [NackOutcome.RETRY_SCHEDULED] * 2 + [DEAD]
+    with backend.Session() as s:
+        info = q.get(s, "k")
+    assert info is not None and info.state is State.DEAD and info.attempts == 3
+    assert "other database is down" in (info.last_error or "")
+
+
 # -- transactional mode: the transaction is the consumer's -----------------------------------
 
 
