@@ -23,7 +23,7 @@ from typing import Any
 from sqlalchemy import event
 from sqlalchemy.orm import Session, SessionTransaction
 
-from .errors import HandlerMisuse, InvalidArgument
+from .errors import HandlerMisuse, InvalidArgument, TransientError
 
 __all__ = [
     "HandlerNotAwaited",
@@ -200,6 +200,12 @@ def run_in_savepoint(
             # The server ended the whole transaction (InnoDB does on a deadlock), the take with
             # it: the handler's error is what the consumer must see (transient: run it again).
             raise error from gone
+        if session.connection().invalidated:
+            # The connection was lost while the handler ran, and the take with it: nothing of
+            # this attempt can be recorded, and the message is due again (retried, uncounted).
+            raise TransientError(
+                f"the connection was lost while the handler ran: {error}"
+            ) from error
     return savepoint, error
 
 
