@@ -215,7 +215,9 @@ class Source(Protocol):
         error: BaseException | str,
         at: datetime | None = None,
     ) -> NackOutcome: ...
-    def release(self, session: Session, envelope: Envelope[Any]) -> bool: ...
+    def release(
+        self, session: Session, envelope: Envelope[Any], *, at: datetime | None = None
+    ) -> bool: ...
     def extend(
         self, session: Session, envelope: Envelope[Any], lease: timedelta | None = None
     ) -> Envelope[Any] | None: ...
@@ -911,7 +913,7 @@ class BaseWorker(Generic[S]):
         ops: dict[str, Callable[[Session], Any]] = {
             "ack": lambda s: self._acknowledge(s, reg, arg),
             "nack": lambda s: source.nack(s, env, arg),
-            "release": lambda s: source.release(s, env),
+            "release": lambda s: source.release(s, env, at=arg),
         }
         op = ops[what]
         delay = 0.05
@@ -1041,9 +1043,13 @@ class BaseWorker(Generic[S]):
                     log.warning("%s: stopping %s failed", self.name, task.name, exc_info=True)
 
     def _release_in_flight(self) -> None:
-        """On stop: give back what handlers still hold, so others take it at once."""
+        """On stop, after the drain: give back what handlers still hold, due when a lease from
+        now ends, no attempt counted. Not at once: a thread cannot be killed, so a handler
+        still running (on the asyncio worker, one whose work went on in a thread) would run
+        beside the consumer that took it next. A handler that outlives that lease too may be
+        redelivered, as any lease-mode handler that outlives its lease."""
         for reg, env, _ in self._in_flight.snapshot():
-            self._settle(reg, env, "release")
+            self._settle(reg, env, "release", reg.source.now() + reg.lease)
             self._in_flight.pop(reg, env)
 
     def _process_due(self, limit: int | None) -> int:

@@ -455,15 +455,18 @@ class LeasedQueue(abc.ABC, Generic[T]):
     retry = nack
 
     @transient_as_ours
-    def release(self, session: Session, envelope: Envelope[Any]) -> bool:
-        """Give a taken row back, due now, without counting an attempt."""
+    def release(
+        self, session: Session, envelope: Envelope[Any], *, at: datetime | None = None
+    ) -> bool:
+        """Give a taken row back, due now (or at ``at``), without counting an attempt."""
+        when = self.now() if at is None else require_aware(at, "at")
         return self._settle(
             session,
             "release",
             envelope.id,
             envelope.lock_token,
             payload=envelope.payload,
-            s_at=self.now(),
+            s_at=when,
         )
 
     @transient_as_ours

@@ -219,8 +219,10 @@ class AsyncQueue(Generic[T]):
     ) -> NackOutcome:
         return await session.run_sync(lambda s: self.queue.record_failure(s, envelope, error, at))
 
-    async def release(self, session: AsyncSession, envelope: Envelope[Any]) -> bool:
-        return await session.run_sync(lambda s: self.queue.release(s, envelope))
+    async def release(
+        self, session: AsyncSession, envelope: Envelope[Any], *, at: datetime | None = None
+    ) -> bool:
+        return await session.run_sync(lambda s: self.queue.release(s, envelope, at=at))
 
     async def extend(
         self, session: AsyncSession, envelope: Envelope[T], lease: timedelta | None = None
