@@ -23,7 +23,13 @@ import sqlalchemy as sa
 from click.testing import CliRunner
 from sqlalchemy import event
 
-from sqla_delayedq import DelayedQueue, ExponentialBackoff, QueueControls, controls
+from sqla_delayedq import (
+    DelayedQueue,
+    ExponentialBackoff,
+    MessageFilter,
+    QueueControls,
+    controls,
+)
 from sqla_delayedq.entity import EntityQueue
 from sqla_delayedq.errors import InvalidArgument
 from sqla_delayedq.models import controls_table, stats_table, workers_table
@@ -721,6 +727,29 @@ def test_bulk_retry_by_filter_confirms_the_count_and_runs_in_chunks(
     assert "hx-get" not in fragment  # finished: the progress stops polling
     with backend.Session() as s:
         assert q.counts(s).dead == 5
+
+
+def test_a_bulk_action_changes_no_more_than_its_confirmation_showed(
+    backend: Backend, client: TestClient
+) -> None:
+    """The confirmation said "drop 2 messages", but the form carried only the filter: messages
+    that died, or were offered and died, before the button was pressed were dropped too. The
+    form now carries what was confirmed (the count, and the highest id), and the action stays
+    within it."""
+    q = queue()
+    offer(backend, q, 2, prefix="old")
+    kill(backend, q, 2)
+    html = client.get("/confirm?action=drop&table=delayed_queue&queue=emails&state=dead").text
+    assert "This will change <strong>2</strong> messages" in html
+    hidden = dict(re.findall(r'<input type="hidden" name="(\w+)" value="([^"]*)">', html))
+    offer(backend, q, 3, prefix="new")  # offered since, and dead before the button is pressed
+    assert len(kill(backend, q, 3)) == 3
+    response = post(client, {**hidden, "action": "drop"})
+    assert response.status_code == 303
+    assert "Done: 2 messages changed." in wait_for_job(client, response.headers["location"])
+    with backend.Session() as s:
+        dead = sorted(m.key for m in q.search(s, MessageFilter(state="dead")))
+    assert dead == ["new/0", "new/1", "new/2"]
 
 
 def test_bulk_drop_and_process_now(backend: Backend, client: TestClient) -> None:

@@ -9,6 +9,7 @@ a Content-Security-Policy that allows only the dashboard's own script and styles
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import inspect
@@ -323,6 +324,16 @@ class Dashboard:
         return value
 
     @staticmethod
+    def _form_int(form: Any, name: str) -> int | None:
+        """A whole number from 0 to ``MAX_ID`` in a posted form; None when absent."""
+        raw = str(form.get(name) or "")
+        if not raw:
+            return None
+        if not raw.isdigit() or int(raw) > MAX_ID:
+            raise InvalidArgument(f"{name} must be a whole number, got {raw[:40]!r}")
+        return int(raw)
+
+    @staticmethod
     def _required(params: Any, name: str) -> str:
         value = params.get(name)
         if not value:
@@ -488,13 +499,16 @@ class Dashboard:
                 what = f"message {info.key!r} of queue {queue}"
             else:
                 where = self.data.action_filter(action, self._filter(params))
-                count = await run_in_threadpool(self.data.count, table, queue, where)
+                count, upto = await run_in_threadpool(self.data.bound, table, queue, where)
                 fields = [
                     ("table", table),
                     ("queue", queue),
                     ("state", str(where.state or "")),
                     ("key_prefix", where.key_prefix or ""),
                     *(("where", w) for w in params.getlist("where") if w.strip()),
+                    # What the operator confirms: none offered since, no more than shown.
+                    ("upto", str(upto)),
+                    ("expected", str(count)),
                 ]
                 what = describe(queue, where)
             return self.render(
@@ -529,7 +543,15 @@ class Dashboard:
                 back = "/messages?" + urlencode({"table": table, "queue": queue})
                 return RedirectResponse(self.root(request) + self._local(form, back), 303)
             where = self._filter(form)
-            job = await run_in_threadpool(self.data.start_job, action, table, queue, where)
+            upto = self._form_int(form, "upto")
+            expected = self._form_int(form, "expected")
+            job = await run_in_threadpool(
+                functools.partial(self.data.start_job, upto=upto, at_most=expected),
+                action,
+                table,
+                queue,
+                where,
+            )
             log.info("dashboard: %s on %s (%d messages)", action, job.description, job.total)
             return RedirectResponse(self.link(request, f"/jobs/{job.id}"), status_code=303)
 

@@ -426,6 +426,16 @@ class Data:
         with self.sessions() as s:
             return q.count(s, where)
 
+    def bound(self, table: str, queue: str, where: MessageFilter) -> tuple[int, int]:
+        """What a confirmation shows and its action may then change: how many messages match
+        ``where``, and the highest id among them (0 for none)."""
+        q = self.queue(table, queue)
+        t = q.table
+        with self.sessions() as s:
+            stmt = select(func.count(), func.max(t.c.id)).where(q.condition(where, q.now()))
+            count, highest = s.execute(stmt).one()
+        return int(count), int(highest or 0)
+
     def message(self, table: str, queue: str, id: int) -> MessageInfo:
         q = self.queue(table, queue)
         t = q.table
@@ -471,40 +481,72 @@ class Data:
         """Apply ``action`` to one message (by id); returns it as it was and 0 or 1."""
         info = self.message(table, queue, id)
         q = self.queue(table, queue)
-        where = self.action_filter(action, MessageFilter(keys=(info.key,)))
+        # The row shown, not any row of that key (one offered since may hold it).
+        where = self.action_filter(
+            action, MessageFilter(keys=(info.key,), where=q.table.c.id == id)
+        )
         with self.sessions() as s, s.begin():
             return info, self._apply(action, q, s, where)
 
-    def start_job(self, action: str, table: str, queue: str, where: MessageFilter) -> Job:
+    def start_job(
+        self,
+        action: str,
+        table: str,
+        queue: str,
+        where: MessageFilter,
+        *,
+        upto: int | None = None,
+        at_most: int | None = None,
+    ) -> Job:
         """Run ``action`` on every message matching ``where`` in a thread, ``CHUNK`` ids per
         transaction; each chunk re-applies the filter, so a message that changed meanwhile
-        is left alone."""
+        is left alone.
+
+        ``upto`` and ``at_most`` are what the operator confirmed (:meth:`bound`): no message
+        with a higher id (offered since), and never more messages than were shown, though more
+        may match by now (died since the confirmation, say)."""
         q = self.queue(table, queue)
         where = self.action_filter(action, where)
+        if upto is not None:
+            below = q.table.c.id <= upto
+            where = replace(where, where=below if where.where is None else and_(where.where, below))
         total = self.count(table, queue, where)
+        if at_most is not None:
+            total = min(total, at_most)
         job = Job(uuid.uuid4().hex, action, describe(queue, where), total)
         with self._lock:
             self._jobs = {k: j for k, j in self._jobs.items() if not j.finished or _recent(j)}
             self._jobs[job.id] = job
         thread = threading.Thread(
-            target=self._run_job, args=(job, q, where), name=f"delayedq-web-{action}", daemon=True
+            target=self._run_job,
+            args=(job, q, where, at_most),
+            name=f"delayedq-web-{action}",
+            daemon=True,
         )
         thread.start()
         return job
 
-    def _run_job(self, job: Job, q: RawQueue, where: MessageFilter) -> None:
+    def _run_job(
+        self, job: Job, q: RawQueue, where: MessageFilter, at_most: int | None = None
+    ) -> None:
         t = q.table
         last: int | None = None
         try:
             while True:
+                size = CHUNK if at_most is None else min(CHUNK, at_most - job.changed)
+                if size <= 0:
+                    break  # as many as were confirmed
                 with self.sessions() as s, s.begin():
                     stmt = select(t.c.id).where(q.condition(where, q.now()))
                     if last is not None:
                         stmt = stmt.where(t.c.id > last)
-                    ids = list(s.scalars(stmt.order_by(t.c.id).limit(CHUNK)))
+                    ids = list(s.scalars(stmt.order_by(t.c.id).limit(size)))
                     if not ids:
                         break
-                    chunk = replace(where, where=t.c.id.in_(ids))
+                    among = t.c.id.in_(ids)
+                    chunk = replace(
+                        where, where=among if where.where is None else and_(where.where, among)
+                    )
                     job.changed += self._apply(job.action, q, s, chunk)
                 last = ids[-1]
                 job.done = min(job.total, job.done + len(ids))
