@@ -181,6 +181,15 @@ class AdminMixin:
         stmt = select(func.count()).select_from(t).where(self.condition(where, self.now()))
         return int(session.execute(stmt).scalar_one())
 
+    def count_up_to(self, session: Session, where: MessageFilter | None = None) -> tuple[int, int]:
+        """How many messages match ``where``, and the highest id among them (0 for none): what
+        an operator confirms before a bulk change, which then touches no message with a higher
+        id (offered since) and no more messages than that."""
+        t = self.table
+        stmt = select(func.count(), func.max(t.c.id)).where(self.condition(where, self.now()))
+        count, highest = session.execute(stmt).one()
+        return int(count), int(highest or 0)
+
     # -- admin side ----------------------------------------------------------------------
 
     @transient_as_ours

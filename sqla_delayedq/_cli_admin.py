@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta, timezone
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import click
-from sqlalchemy import CursorResult, delete, select
+from sqlalchemy import CursorResult, and_, delete, select
 from sqlalchemy.orm import Session
 
 from ._cli_base import (
@@ -42,41 +42,59 @@ CHUNK = 1000
 Operation = Callable[[RawQueue, Session, MessageFilter], int]
 
 
-def count_matching(db: Db, queues: Sequence[str], where: MessageFilter) -> dict[str, int]:
+class Matched(NamedTuple):
+    """What a command counted (and asked to confirm): per queue, how many messages match, and
+    the highest id among them; :func:`run_chunked` changes no more than that."""
+
+    counts: dict[str, int]
+    upto: dict[str, int]
+
+
+def count_matching(db: Db, queues: Sequence[str], where: MessageFilter) -> Matched:
+    counts, upto = {}, {}
     with db.sessions() as s:
-        return {q: db.queue(q).count(s, where) for q in queues}
+        for name in queues:
+            counts[name], upto[name] = db.queue(name).count_up_to(s, where)
+    return Matched(counts, upto)
 
 
 def run_chunked(
     db: Db,
-    counts: dict[str, int],
+    matched: Matched,
     select_filter: MessageFilter,
     op: Operation,
     label: str,
     chunk: int | None = None,
 ) -> int:
-    """Apply ``op`` to the messages matching ``select_filter``, ``chunk`` ids at a time."""
+    """Apply ``op`` to the messages matching ``select_filter``, ``chunk`` ids at a time: of
+    each queue, no message with a higher id than was counted (offered since) and no more
+    messages than were counted (though more may match by now, dead since, say)."""
     chunk = chunk or CHUNK
     t = db.table
     changed = 0
-    with progress(label, sum(counts.values())) as advance:
-        for name, expected in counts.items():
-            if not expected:
-                continue
+    with progress(label, sum(matched.counts.values())) as advance:
+        for name, expected in matched.counts.items():
             queue = db.queue(name)
             last: int | None = None
-            while True:
+            done = 0
+            while done < expected:
                 with db.sessions() as s, s.begin():
                     cond = queue.condition(select_filter, queue.now())
-                    stmt = select(t.c.id).where(cond).order_by(t.c.id).limit(chunk)
+                    stmt = select(t.c.id).where(cond, t.c.id <= matched.upto[name])
                     if last is not None:
                         stmt = stmt.where(t.c.id > last)
+                    stmt = stmt.order_by(t.c.id).limit(min(chunk, expected - done))
                     ids = list(s.scalars(stmt))
                     if not ids:
                         break
-                    changed += op(queue, s, replace(select_filter, where=t.c.id.in_(ids)))
+                    among = t.c.id.in_(ids)
+                    within = (
+                        among if select_filter.where is None else and_(select_filter.where, among)
+                    )
+                    done += op(queue, s, replace(select_filter, where=within))
                 last = ids[-1]
                 advance(len(ids))
+            changed += done
     return changed
 
 
@@ -192,13 +210,13 @@ def requeue(
     when = resolve_when(at, delay)
     f = replace(build_filter(key_prefix=key_prefix, where=where), state="dead")
     db = open_db(ctx, url, table, app=app, queues=queues)
-    counts = count_matching(db, db.resolve_queues(queues), f)
+    matched = count_matching(db, db.resolve_queues(queues), f)
     changed = 0
     if not dry_run:
         changed = run_chunked(
-            db, counts, f, lambda q, s, w: q.requeue_dead(s, w, at=when), "requeueing"
+            db, matched, f, lambda q, s, w: q.requeue_dead(s, w, at=when), "requeueing"
         )
-    report(as_json, "requeue", counts, changed, dry_run=dry_run)
+    report(as_json, "requeue", matched.counts, changed, dry_run=dry_run)
 
 
 # -- drop --------------------------------------------------------------------------------------
@@ -266,7 +284,8 @@ def drop(
         raise BadInput("--all needs the queue(s) named with -q")
     db = open_db(ctx, url, table, app=app, queues=queues)
     names = db.resolve_queues(queues)
-    counts = count_matching(db, names, f)
+    matched = count_matching(db, names, f)
+    counts = matched.counts
     total = sum(counts.values())
     if dry_run or not total:
         report(as_json, "drop", counts, 0, dry_run=True)
@@ -277,7 +296,7 @@ def drop(
             abort=True,
             err=True,
         )
-    changed = run_chunked(db, counts, f, drop_chunk, "dropping")
+    changed = run_chunked(db, matched, f, drop_chunk, "dropping")
     report(as_json, "drop", counts, changed)
 
 
@@ -330,12 +349,12 @@ def reschedule(
         f = replace(f, state="pending")
     db = open_db(ctx, url, table, app=app, queues=queues)
     names = db.resolve_queues(queues)
-    counts = count_matching(db, names, f)
+    matched = count_matching(db, names, f)
     changed = run_chunked(
         db,
-        counts,
+        matched,
         f,
         lambda q, s, w: q.reschedule(s, w, at=when, priority=priority),
         "rescheduling",
     )
-    report(as_json, "reschedule", counts, changed)
+    report(as_json, "reschedule", matched.counts, changed)

@@ -554,6 +554,26 @@ def test_drop_asks_for_confirmation(backend: Backend, run: Run) -> None:
 
 
 @on_pg_and_sqlite
+def test_drop_changes_no_more_than_it_asked_to_confirm(
+    backend: Backend, run: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The question said "Drop 2 messages", and the command then dropped whatever matched
+    when it ran, a message offered while the question waited included."""
+    seed(backend)
+
+    def answer(*args: Any, **kwargs: Any) -> bool:
+        with backend.Session() as s, s.begin():  # offered while the question waits
+            DelayedQueue[Any]("emails").offer(s, "later/9", {"late": True})
+        return True
+
+    monkeypatch.setattr("click.confirm", answer)
+    result = run("drop", "-q", "emails", "--key-prefix", "later/")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == "drop: 2 messages"
+    assert [key for _, key in rows(backend) if key.startswith("later/")] == ["later/9"]
+
+
+@on_pg_and_sqlite
 def test_drop_with_yes_by_state_keys_and_all(
     backend: Backend, run: Run, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -430,11 +430,8 @@ class Data:
         """What a confirmation shows and its action may then change: how many messages match
         ``where``, and the highest id among them (0 for none)."""
         q = self.queue(table, queue)
-        t = q.table
         with self.sessions() as s:
-            stmt = select(func.count(), func.max(t.c.id)).where(q.condition(where, q.now()))
-            count, highest = s.execute(stmt).one()
-        return int(count), int(highest or 0)
+            return q.count_up_to(s, where)
 
     def message(self, table: str, queue: str, id: int) -> MessageInfo:
         q = self.queue(table, queue)
