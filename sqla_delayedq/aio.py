@@ -258,6 +258,11 @@ class AsyncQueue(Generic[T]):
     async def count(self, session: AsyncSession, where: MessageFilter | None = None) -> int:
         return await session.run_sync(lambda s: self.queue.count(s, where))
 
+    async def count_up_to(
+        self, session: AsyncSession, where: MessageFilter | None = None
+    ) -> tuple[int, int]:
+        return await session.run_sync(lambda s: self.queue.count_up_to(s, where))
+
     # -- admin side ------------------------------------------------------------------------
 
     async def drop(self, session: AsyncSession, key: str) -> bool:

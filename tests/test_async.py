@@ -55,6 +55,45 @@ def test_offer_poll_ack_through_async_session(async_sessions, clock):
     asyncio.run(scenario())
 
 
+#: What ``DelayedQueue`` has and ``AsyncQueue`` deliberately does not: synchronous helpers with
+#: no I/O (reach them as ``aq.queue.<name>``), and the worker's own forms of public methods.
+NOT_WRAPPED = {
+    "condition": "builds an SQL condition, no I/O",
+    "now": "reads the queue's clock, no I/O",
+    "gate": "the worker's in-memory view of the controls",
+    "poll_batch": "the worker's form of try_poll_many",
+    "process_next": "the worker's form of process_one",
+}
+
+
+def test_async_queue_wraps_every_public_method_of_the_queue():
+    import inspect
+
+    public = {
+        n for n, v in inspect.getmembers(DelayedQueue) if not n.startswith("_") and callable(v)
+    }
+    wrapped = {n for n, _ in inspect.getmembers(AsyncQueue) if not n.startswith("_")}
+    assert sorted(public - wrapped - NOT_WRAPPED.keys()) == []
+    assert NOT_WRAPPED.keys() <= public  # no stale exception
+    for name in public & wrapped:
+        assert inspect.iscoroutinefunction(getattr(AsyncQueue, name)), name
+
+
+def test_async_count_up_to_counts_and_bounds(async_sessions):
+    aq = AsyncQueue(DelayedQueue("aq-up-to"))
+
+    async def scenario() -> None:
+        async with async_sessions() as s, s.begin():
+            assert await aq.count_up_to(s) == (0, 0)
+            await aq.offer_batch(s, [("a", 1), ("b", 2)])
+        async with async_sessions() as s:
+            count, highest = await aq.count_up_to(s)
+            ids = await s.execute(sa.select(sa.func.max(T.c.id)).where(T.c.queue == "aq-up-to"))
+            assert (count, highest) == (2, ids.scalar_one())
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("mode", ["lease", "transactional"])
 def test_async_worker_with_16_tasks_handles_each_message_once(async_sessions, pg, mode):
     q = DelayedQueue("aw")
