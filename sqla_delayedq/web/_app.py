@@ -324,6 +324,20 @@ class Dashboard:
         return value
 
     @staticmethod
+    def _shown(params: Any) -> datetime | None:
+        """The ``created_at`` of the message a page showed (its forms and links carry it)."""
+        raw = str(params.get("shown") or "")
+        if not raw:
+            return None
+        try:
+            shown = datetime.fromisoformat(raw)
+        except ValueError:
+            shown = None
+        if shown is None or shown.tzinfo is None:
+            raise InvalidArgument(f"shown must be a time with its offset, got {raw[:40]!r}")
+        return shown
+
+    @staticmethod
     def _form_int(form: Any, name: str) -> int | None:
         """A whole number from 0 to ``MAX_ID`` in a posted form; None when absent."""
         raw = str(form.get(name) or "")
@@ -492,10 +506,16 @@ class Dashboard:
             if action not in ACTIONS:
                 raise InvalidArgument(f"unknown action {action!r}")
             if id is not None:
-                info = await run_in_threadpool(self.data.message, table, queue, id)
+                shown = self._shown(params)
+                info = await run_in_threadpool(self.data.message, table, queue, id, shown)
                 where = self.data.action_filter(action, MessageFilter(keys=(info.key,)))
                 count = await run_in_threadpool(self.data.count, table, queue, where)
-                fields = [("table", table), ("queue", queue), ("id", str(id))]
+                fields = [
+                    ("table", table),
+                    ("queue", queue),
+                    ("id", str(id)),
+                    ("shown", info.created_at.isoformat()),
+                ]
                 what = f"message {info.key!r} of queue {queue}"
             else:
                 where = self.data.action_filter(action, self._filter(params))
@@ -536,7 +556,7 @@ class Dashboard:
                 if not raw_id.isdigit() or int(raw_id) > MAX_ID:
                     raise InvalidArgument(f"id must be a message id, got {raw_id[:40]!r}")
                 info, changed = await run_in_threadpool(
-                    self.data.act_one, action, table, queue, int(raw_id)
+                    self.data.act_one, action, table, queue, int(raw_id), self._shown(form)
                 )
                 self.data.invalidate()
                 log.info("dashboard: %s on %s/%s: %d changed", action, queue, info.key, changed)

@@ -433,13 +433,23 @@ class Data:
         with self.sessions() as s:
             return q.count_up_to(s, where)
 
-    def message(self, table: str, queue: str, id: int) -> MessageInfo:
+    def message(
+        self, table: str, queue: str, id: int, shown: datetime | None = None
+    ) -> MessageInfo:
+        """Message ``id``; with ``shown`` (the ``created_at`` of the message a page showed),
+        only that message: an id can pass to a message offered since (SQLite reuses the
+        highest id once its row is deleted), and an action must not reach that one."""
         q = self.queue(table, queue)
         t = q.table
         with self.sessions() as s:
             found = q.search(s, MessageFilter(where=t.c.id == id), limit=1)
         if not found:
             raise NotFound(f"no message {id} in queue {queue!r}")
+        if shown is not None and found[0].created_at != shown:
+            raise NotFound(
+                f"message {id} of queue {queue!r} is no longer the one shown: it was removed, "
+                "and a message offered since holds its id. Nothing was changed"
+            )
         return found[0]
 
     # -- actions -------------------------------------------------------------------------
@@ -474,14 +484,17 @@ class Data:
             return q.reschedule(s, where)
         return q.drop_where(s, where)
 
-    def act_one(self, action: str, table: str, queue: str, id: int) -> tuple[MessageInfo, int]:
-        """Apply ``action`` to one message (by id); returns it as it was and 0 or 1."""
-        info = self.message(table, queue, id)
+    def act_one(
+        self, action: str, table: str, queue: str, id: int, shown: datetime | None = None
+    ) -> tuple[MessageInfo, int]:
+        """Apply ``action`` to one message (by id, and with ``shown`` the message a page
+        showed, see :meth:`message`); returns it as it was and 0 or 1."""
+        info = self.message(table, queue, id, shown)
         q = self.queue(table, queue)
-        # The row shown, not any row of that key (one offered since may hold it).
-        where = self.action_filter(
-            action, MessageFilter(keys=(info.key,), where=q.table.c.id == id)
-        )
+        t = q.table
+        # The row shown, not any row of that key, nor a row that took its id since.
+        this = and_(t.c.id == id, t.c.created_at == info.created_at)
+        where = self.action_filter(action, MessageFilter(keys=(info.key,), where=this))
         with self.sessions() as s, s.begin():
             return info, self._apply(action, q, s, where)
 
