@@ -20,7 +20,7 @@ from ._admin import AdminMixin
 from ._codec import Codec, check_name, decode_headers, encode_headers, error_text, verbatim
 from ._dialects import Claimed, Claims, Strategy, strategy_for, transient_as_ours
 from ._handlers import run_in_savepoint
-from ._leases import UNSEEN, Ahead, LeasedQueue, Processed, check_count
+from ._leases import UNSEEN, Ahead, LeasedQueue, Processed, check_count, leases_apart
 from ._offers import OfferInput
 from ._rules import after_failure, check_priority
 from ._time import Clock, require_aware, require_duration, system_clock
@@ -319,8 +319,11 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
 
         The messages are deleted (marked done, with retention) in the caller's transaction, so
         they are gone when it commits together with the handler's writes, and due again at once
-        when it rolls back. No ack is needed; the envelopes carry an empty lock token. After a
-        rollback, record the failed attempt with :meth:`record_failure` in a new transaction.
+        when it rolls back. No ack is needed. After a rollback, record the failed attempt with
+        :meth:`record_failure` in a new transaction. (A queue with an in-flight or rate limit
+        takes its messages under a lease committed apart, on PostgreSQL and MariaDB, so the
+        limit sees them: after a rollback they are due again when :meth:`record_failure` says,
+        or when that lease ends; their envelopes carry its lock token.)
         """
         check_count(n)
         gate = self._transactional_gate(session)
@@ -332,6 +335,10 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
             else:
                 envelopes = self.try_poll_many(session, n)
             self.ack_many(session, envelopes)
+            if gate == "limited" and leases_apart(session):
+                # The lease was committed apart: after a rollback the row is still under it,
+                # and record_failure finds the row by its token.
+                return envelopes
             return [replace(e, lock_token="") for e in envelopes]
         return [envelope for envelope, _ in self._consume_rows(session, n)]
 
@@ -358,6 +365,11 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
                 )
                 if len(taken) + len(rows) >= n:
                     break
+                if self.grouping is not None and any(r.group_key is not None for r in rows):
+                    # The rows this transaction deleted no longer hold their groups back from
+                    # its own next statement: a later probe would take the next message of a
+                    # group whose head is in this batch. The take ends short instead.
+                    break
             if not rows:
                 break
             buried = 0
@@ -369,6 +381,8 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
                     taken.append((envelope, row))
             if not buried:
                 break  # a short take means the queue has nothing more due
+            if self.grouping is not None and any(e.group is not None for e, _ in taken):
+                break  # as above: another round would see past this batch's own heads
         return taken
 
     def _consumed(self, session: Session, row: Any, now: datetime) -> Envelope[T] | None:
@@ -474,7 +488,11 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         guard = [
             t.c.id == envelope.id,
             t.c.status == "pending",
-            t.c.scheduled_at == envelope.scheduled_at,
+            # A limited queue's consume leased the row in a transaction of its own: the
+            # rollback left it under that lease (see consume).
+            t.c.lock_token == envelope.lock_token
+            if envelope.lock_token
+            else t.c.scheduled_at == envelope.scheduled_at,
             t.c.attempts == envelope.attempt - 1,
         ]
         found = session.execute(

@@ -69,6 +69,9 @@ REFRESH = 1.0
 MISSING_RECHECK = 30.0
 #: How soon a consumer that found a queue at its in-flight limit tries again, at most.
 LIMITED_RETRY = 0.25
+#: At most about this many entries in a rate window: beyond it, takes close in time share one
+#: (``rate_log`` is a TEXT column, 65,535 bytes on MariaDB/MySQL: some 2,700 entries).
+MAX_RATE_LOG = 500
 
 
 class _Unset:
@@ -351,11 +354,25 @@ def record(session: Session, table: str, queue: str, admission: Admission, taken
     if admission.window is None or taken == 0:
         return
     window = [*admission.window, [admission.now.timestamp(), taken]]
+    period = admission.controls.rate_period
+    if len(window) > MAX_RATE_LOG and period is not None:
+        window = _compact(window, period.total_seconds() / MAX_RATE_LOG)
     session.execute(
         update(t)
         .where(t.c.table_name == table, t.c.queue == queue)
         .values(rate_log=json.dumps(window))
     )
+
+
+def _compact(window: list[list[float]], width: float) -> list[list[float]]:
+    """Merge the takes of each ``width`` seconds into one entry stamped with the latest of
+    them: each take then stays in the window at least as long as it should, so no window ever
+    counts fewer takes than it had (a merged bucket may hold a take back a little longer)."""
+    buckets: dict[int, list[float]] = {}
+    for stamp, count in window:
+        b = buckets.setdefault(math.floor(stamp / width), [stamp, 0])
+        b[0], b[1] = max(b[0], stamp), b[1] + int(count)
+    return sorted(buckets.values())
 
 
 def retry_after(admission: Admission, taken: int) -> float:

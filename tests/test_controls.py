@@ -20,8 +20,11 @@ from sqla_delayedq import (
     DelayedQueue,
     DelayedQueueError,
     Envelope,
+    ExponentialBackoff,
     InvalidArgument,
+    NackOutcome,
     QueueControls,
+    controls,
 )
 from sqla_delayedq.aio import AsyncQueue
 from sqla_delayedq.models import controls_table
@@ -191,6 +194,57 @@ def test_a_failed_transactional_attempt_of_a_limited_queue_is_recorded(backend, 
         info = q.get(s, "m0000")
         assert info is not None and info.attempts == 1 and "boom" in (info.last_error or "")
         assert not q.contains(s, "written-by-the-handler")  # rolled back to the savepoint
+
+
+def test_a_failure_recorded_after_a_limited_consume_rolled_back_is_kept(backend, make_queue, clock):
+    """A limited queue's consume leases its messages in a transaction of their own: after the
+    caller's rollback, record_failure must still find the message (under that lease), record the
+    attempt and make it due at its retry time, not leave it hidden for the whole lease."""
+    retry = ExponentialBackoff(max_attempts=5, initial=timedelta(seconds=1), jitter=0)
+    q = make_queue("tx-rolled-back", retry=retry, lease=timedelta(minutes=5))
+    with backend.Session() as s, s.begin():
+        q.set_limits(s, max_in_flight=5)
+    offer_many(backend, q, 1)
+    with backend.Session() as s:
+        s.begin()
+        [env] = q.consume(s, 1)
+        s.rollback()  # the handler failed
+    with backend.Session() as s, s.begin():
+        assert q.record_failure(s, env, "boom") is NackOutcome.RETRY_SCHEDULED
+        assert q.record_failure(s, env, "boom") is NackOutcome.STALE  # recorded once
+    with backend.Session() as s:
+        info = q.get(s, "m0000")
+        assert info is not None and info.attempts == 1 and info.last_error == "boom"
+        assert info.state.value == "scheduled"
+    clock.advance(timedelta(seconds=2))  # past the retry delay, far before the lease's end
+    assert [e.key for e in poll(backend, q, 5)] == ["m0000"]
+
+
+def test_a_rate_window_of_thousands_of_takes_still_fits_its_row(backend, make_queue, clock):
+    """One entry per take would outgrow ``rate_log`` (a TEXT column: 64 KB on MariaDB, some
+    2,700 entries): the window is compacted, and never counts fewer takes than it had."""
+    q = make_queue("busy-rate")
+    with backend.Session() as s, s.begin():
+        q.set_limits(s, rate=(2752, timedelta(minutes=5)))
+    offer_many(backend, q, 160)
+    t = controls_table
+    start = clock().timestamp() - 240
+    # 2,600 single takes over the last 4 minutes, as a busy worker leaves them: 62 KB of JSON.
+    log = [[start + i * 0.09, 1] for i in range(2600)]
+    with backend.Session() as s, s.begin():
+        s.execute(sa.update(t).where(t.c.queue == "busy-rate").values(rate_log=json.dumps(log)))
+    for _ in range(150):  # one message per take, as a worker with batch_size=1 takes
+        clock.advance(timedelta(milliseconds=1))
+        assert len(poll(backend, q, 1)) == 1
+    with backend.Session() as s:
+        raw = s.execute(sa.select(t.c.rate_log).where(t.c.queue == "busy-rate")).scalar_one()
+    stored = json.loads(raw)
+    assert len(stored) <= controls.MAX_RATE_LOG + 150 and len(raw) < 65_535
+    assert sum(n for _, n in stored) == 2750
+    assert min(stamp for stamp, _ in stored) >= start  # held back at most, never let go early
+    # Room for exactly two more in this window.
+    assert len(poll(backend, q, 5)) == 2
+    assert poll(backend, q, 5) == []
 
 
 @pytest.mark.parametrize(

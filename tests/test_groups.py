@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from sqla_delayedq import DelayedQueue, ExponentialBackoff, InvalidArgument, Outcome
+from sqla_delayedq.serializers import JsonSerializer
 from sqla_delayedq.testing import ManualClock
 from tests.fix_db import Backend
 
@@ -138,6 +139,36 @@ def test_transactional_takes_keep_the_group_order(backend: Backend) -> None:
         if done is None:
             break
     assert order == ["b1", "a0", "a1", "a2"]  # by due time, each group in its order
+
+
+@pytest.mark.parametrize("case", ["priorities", "aging", "burial"])
+def test_a_transactional_batch_takes_one_message_per_group(backend: Backend, case: str) -> None:
+    """``consume(n)`` may run several statements in its transaction (one per priority probe,
+    another round after burying an undecodable row); the rows the first one deleted must still
+    hold their groups back from the next."""
+    clock = ManualClock(T0)
+    kw: dict[str, Any] = {"groups": True, "clock": clock}
+    if case != "burial":
+        kw["priorities"] = True
+    if case == "aging":
+        kw["priority_aging"] = timedelta(minutes=30)
+    q: DelayedQueue[Any] = DelayedQueue("batch", **kw)
+    with backend.Session() as s, s.begin():
+        if case == "priorities":  # the boosted head, then its group's next at priority 0
+            q.offer(s, "a1", {"n": 1}, T0 - timedelta(seconds=2), group="A", priority=5)
+            q.offer(s, "a2", {"n": 2}, T0 - timedelta(seconds=1), group="A")
+        elif case == "aging":  # the aged head at priority 0, its next boosted
+            q.offer(s, "a1", {"n": 1}, T0 - timedelta(minutes=45), group="A")
+            q.offer(s, "a2", {"n": 2}, T0 - timedelta(minutes=1), group="A", priority=9)
+        else:  # a row this queue cannot decode: buried, and the take goes round again
+            q.offer(s, "a1", {"n": 1}, T0 - timedelta(seconds=3), group="A")
+            q.offer(s, "a2", {"n": 2}, T0 - timedelta(seconds=2), group="A")
+            other = DelayedQueue("batch", serializer=JsonSerializer("v2"), **kw)
+            other.offer(s, "poison", {}, T0 - timedelta(seconds=1))
+    with backend.Session() as s, s.begin():
+        assert keys(q.consume(s, 10)) == ["a1"]
+    with backend.Session() as s, s.begin():
+        assert keys(q.consume(s, 10)) == ["a2"]
 
 
 def test_an_update_keeps_the_messages_group(backend: Backend) -> None:
