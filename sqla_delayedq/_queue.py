@@ -339,7 +339,12 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
                 # The lease was committed apart: after a rollback the row is still under it,
                 # and record_failure finds the row by its token.
                 return envelopes
-            return [replace(e, lock_token="") for e in envelopes]
+            # As a consumed row's envelope (``_consumed``), and as record_failure's guard reads
+            # the row after a rollback: the take's count of a lost lease is rolled back with it.
+            return [
+                replace(e, lock_token="", attempt=e.attempt - (1 if e.redelivered else 0))
+                for e in envelopes
+            ]
         return [envelope for envelope, _ in self._consume_rows(session, n)]
 
     def _consume_rows(

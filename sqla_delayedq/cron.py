@@ -102,6 +102,11 @@ DEFAULT_MAX_TICKS = 1000
 TRANSIENT_ATTEMPTS = 3
 _ESCAPE = "!"
 _MICRO = timedelta(microseconds=1)
+#: How long after the pass that installs it a new configuration of a prefix takes over: the old
+#: one keeps its ticks up to then. No consumer can take one of those in the moment between the
+#: pass reading its time and deleting the old configuration's future ticks, so an instant never
+#: gets a tick of each (a change at a tick's instant, or a tick due during the pass).
+CHANGE_DELAY = timedelta(seconds=1)
 _HASH_RE = re.compile(r"[0-9a-f]{12}")
 
 SessionFactory = Callable[[], Session]
@@ -385,8 +390,10 @@ def _read_state(
     )
 
 
-def _state_doc(config: CronConfig, now: datetime, until: datetime) -> dict[str, Any]:
-    return {
+def _state_doc(
+    config: CronConfig, now: datetime, until: datetime, owed: datetime | None = None
+) -> dict[str, Any]:
+    doc = {
         "cron_state": 1,
         "prefix": config.prefix,
         "config": config.config_hash,
@@ -396,6 +403,17 @@ def _state_doc(config: CronConfig, now: datetime, until: datetime) -> dict[str, 
         "installed_at": now.isoformat(),
         "installed_until": until.isoformat(),
     }
+    if owed is not None:  # a pass stopped by max_ticks: its window went on to here
+        doc["owed_until"] = owed.isoformat()
+    return doc
+
+
+def _owed_until(state: _State) -> datetime | None:
+    owed = state.doc.get("owed_until")
+    try:
+        return datetime.fromisoformat(owed) if isinstance(owed, str) else None
+    except ValueError:
+        return None
 
 
 def _create_state(
@@ -424,13 +442,12 @@ def _lock_state(
     strategy: Strategy,
     queue: DelayedQueue[Any],
     config: CronConfig,
-    now: datetime,
 ) -> tuple[_State, bool]:
     """Lock the prefix's state row, creating it first if needed; also say if it was there."""
     state = _read_state(session, strategy, queue, config.prefix)
     if state is not None:
         return state, True
-    _create_state(session, strategy, queue, config, now)
+    _create_state(session, strategy, queue, config, queue.now())
     state = _read_state(session, strategy, queue, config.prefix)
     if state is None:
         raise DelayedQueueError(
@@ -463,29 +480,47 @@ def install_tick(
         raise InvalidArgument(f"config must be a CronConfig, got {type(config).__name__}")
     lookahead = require_duration(lookahead, "lookahead")
     _check_max_ticks(max_ticks)
-    now = queue.now()
     strategy = strategy_for(session)
-    state, found = _lock_state(session, strategy, queue, config, now)
+    state, found = _lock_state(session, strategy, queue, config)
+    # The time of the pass is read once the state row is locked: a pass that waited for the lock
+    # (another installer, SQLite's writer lock) must not start a new configuration before the
+    # wait, when a tick that fell due meanwhile may have been delivered already.
+    now = queue.now()
     other = state.config_hash != config.config_hash
     # Without a state row, leftovers of any other configuration are stale too. A row another
     # installer created meanwhile holds its progress: only another configuration resets it.
     replaced = other or not found
-    removed = _drop_future(session, queue, config, now) if replaced else 0
-    # The old configuration keeps its ticks up to now, a tick at now included (it is due, so
-    # it stays): the new one starts just after, or a change at a tick's instant fires it twice.
-    until = now + _MICRO if other else state.until
+    # A change (another configuration, or leftovers of one without a state row): the old one
+    # keeps its ticks up to the cut, a tick at the cut included (see CHANGE_DELAY); the new one
+    # starts just after it, so no instant gets a tick of each.
+    change = other or (not found and _has_others(session, queue, config))
+    cut = now + CHANGE_DELAY if change else now
+    removed = _drop_future(session, queue, config, cut) if replaced else 0
+    until = cut + _MICRO if change else state.until if found else max(state.until, now)
     since = now if other else state.since
 
     ticks: list[CronTick] = []
     caught_up = None
-    if until < now and config.catch_up is CatchUp.LATEST:
-        caught_up = config.schedule.latest_before(now, not_before=until)
-        if caught_up is not None:
-            ticks.append(
-                CronTick(config.prefix, config.config_hash, caught_up, config.payload, True)
-            )
-    start, end = max(until, now), now + lookahead
-    times = config.schedule.between(start, end, limit=max_ticks) if start < end else []
+    owed = None if other else _owed_until(state)
+    times: list[datetime] = []
+    if owed is not None and until < now:
+        # The last pass stopped at max_ticks short of its window: the ticks it left before now
+        # are owed (an installer was running), not missed; they are created late, due at once.
+        times = config.schedule.between(until, min(owed, now), limit=max_ticks)
+        until = times[-1] + _MICRO if len(times) == max_ticks else min(owed, now)
+        owed = owed if len(times) == max_ticks else None
+    end = now + lookahead
+    if len(times) < max_ticks:
+        if until < now and config.catch_up is CatchUp.LATEST:
+            caught_up = config.schedule.latest_before(now, not_before=until)
+            if caught_up is not None:
+                ticks.append(
+                    CronTick(config.prefix, config.config_hash, caught_up, config.payload, True)
+                )
+        start = max(until, now)
+        if start < end:
+            times += config.schedule.between(start, end, limit=max_ticks - len(times))
+        owed = end if len(times) == max_ticks else None
     ticks += [CronTick(config.prefix, config.config_hash, at, config.payload) for at in times]
     new_until = times[-1] + _MICRO if len(times) == max_ticks else max(until, end)
 
@@ -502,7 +537,7 @@ def install_tick(
         update(t)
         .where(t.c.id == state.id)
         .values(
-            **queue.codec.values(_state_doc(config, now, new_until)),
+            **queue.codec.values(_state_doc(config, now, new_until, owed)),
             scheduled_at_initially=new_until,
             created_at=since,
         )
@@ -510,6 +545,18 @@ def install_tick(
     return InstallResult(
         config.prefix, config.config_hash, created, removed, replaced, caught_up, new_until
     )
+
+
+def _has_others(session: Session, queue: DelayedQueue[Any], config: CronConfig) -> bool:
+    """Whether the prefix has pending ticks of another configuration (left without a state
+    row: ``uninstall_tick`` keeps those in flight, ``delayedq drop`` may remove the row)."""
+    t = queue.table
+    stmt = select(t.c.id).where(
+        owned_clause(t, queue.name, config.prefix),
+        _hash_expr(t, config.prefix) != config.config_hash,
+        t.c.status == "pending",
+    )
+    return session.execute(stmt.limit(1)).first() is not None
 
 
 def _drop_future(

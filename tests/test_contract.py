@@ -418,6 +418,36 @@ def test_a_failure_recorded_after_a_rollback_spares_a_version_offered_meanwhile(
         assert q.get(s, "j").status == "dead"
 
 
+@pytest.mark.parametrize("retention", [None, timedelta(days=1)])
+def test_a_failure_after_a_rollback_is_recorded_for_a_message_whose_lease_ran_out(
+    backend, make_queue, clock, retention
+):
+    """A consumer took the message and died; its lease ran out; a transactional consume took
+    it again and rolled back. With retention that take counted the lost lease in the
+    transaction the rollback undid, so the envelope's attempt no longer matched the row and the
+    failure was reported STALE: no error, no backoff, due again at once."""
+    q = make_queue(
+        lease=timedelta(seconds=10),
+        retention=retention,
+        retry=ExponentialBackoff(max_attempts=5, initial=timedelta(seconds=30), jitter=0),
+    )
+    with backend.Session() as s, s.begin():
+        q.offer(s, "k", 1)
+    with backend.Session() as s, s.begin():
+        assert q.try_poll(s) is not None  # taken by a consumer that dies
+    clock.advance(timedelta(seconds=11))
+    with pytest.raises(RuntimeError), backend.Session() as s, s.begin():
+        (env,) = q.consume(s)
+        raise RuntimeError("the handler failed: rolled back")
+    assert env.delivery is Delivery.REDELIVERY and env.attempt == 1
+    with backend.Session() as s, s.begin():
+        assert q.record_failure(s, env, "handler failed") is NackOutcome.RETRY_SCHEDULED
+    with backend.Session() as s:
+        info = q.get(s, "k")
+        assert info.attempts == 1 and info.last_error == "handler failed"
+        assert info.scheduled_at == clock() + timedelta(seconds=30)
+
+
 def test_consume_buries_poison_and_goes_on(backend, make_queue, clock):
     q = make_queue()
     now = clock()

@@ -439,6 +439,28 @@ def test_max_ticks_caps_a_pass_and_the_next_pass_continues(
     assert times == [utc(2030, 1, 1, 12, 0, 1) + k * timedelta(seconds=1) for k in range(200)]
 
 
+def test_ticks_a_capped_pass_left_behind_are_created_late_not_skipped(
+    backend: Backend, clock: FakeClock, make_queue: Callable[..., DelayedQueue[Any]]
+) -> None:
+    """A pass stopped by ``max_ticks`` short of its look-ahead; by the next pass some of what it
+    left is already past. Those ticks were owed (an installer was running), so they are created
+    then, due at once: every second is delivered exactly once."""
+    queue = make_queue("cron")
+    config = CronConfig("fast", PeriodicTick(timedelta(seconds=1)))
+    delivered: list[str] = []
+    for step in (timedelta(minutes=2), timedelta(minutes=1), timedelta(minutes=1), None):
+        run_install(backend.Session, queue, config, lookahead=timedelta(minutes=10), max_ticks=100)
+        delivered += drain(backend.Session, queue)
+        if step is not None:
+            clock.advance(step)
+    assert clock() == T0 + timedelta(minutes=4)
+    assert Counter(delivered).most_common(1)[0][1] == 1
+    start = utc(2030, 1, 1, 12, 0, 1)
+    assert sorted(key_time(k) for k in delivered) == [
+        start + k * timedelta(seconds=1) for k in range(240)
+    ]
+
+
 def test_longest_prefix_fills_the_key_column(
     backend: Backend, make_queue: Callable[..., DelayedQueue[Any]]
 ) -> None:
@@ -532,6 +554,63 @@ def test_a_change_whose_pass_runs_at_a_tick_instant_fires_that_tick_once(
         f"report/{a}/20300101T130000Z",
         f"report/{b}/20300101T140000Z",
         f"report/{b}/20300101T150000Z",
+    ]
+
+
+def test_a_change_by_a_pass_that_waited_for_the_lock_fires_each_tick_once(
+    backend: Backend, clock: FakeClock, make_queue: Callable[..., DelayedQueue[Any]]
+) -> None:
+    """A pass with a new configuration waits for the state row (another installer holds it; on
+    SQLite, any writer). Meanwhile the old configuration's tick falls due and is delivered. The
+    pass must not then create that instant again for the new configuration."""
+    queue = make_queue("cron")
+    old = CronConfig("report", PeriodicTick(timedelta(minutes=1)), {"v": 1})
+    new = CronConfig("report", PeriodicTick(timedelta(minutes=1)), {"v": 2})
+    clock.set(utc(2030, 1, 1, 12, 0, 30))
+    run_install(backend.Session, queue, old, lookahead=timedelta(minutes=5))
+    blocker = backend.Session()
+    blocker.begin()
+    if backend.name == "sqlite":
+        blocker.connection()  # the writer lock, as any writer holds it
+    else:
+        install_tick(blocker, queue, old, lookahead=timedelta(minutes=5))  # holds the state row
+    results: list[InstallResult] = []
+    deploy = threading.Thread(
+        target=lambda: results.append(
+            run_install(backend.Session, queue, new, lookahead=timedelta(minutes=5))
+        )
+    )
+    deploy.start()
+    try:
+        deploy.join(1.0)  # the deploy's pass is waiting for the lock
+        assert deploy.is_alive()
+        clock.set(utc(2030, 1, 1, 12, 1))  # the old configuration's tick falls due
+        delivered: list[Any] = []
+        if backend.name == "sqlite":  # the writer is the consumer itself
+            env = queue.try_poll(blocker)
+            assert env is not None and queue.ack(blocker, env)
+            delivered.append(env.payload)
+        else:
+            with backend.Session.begin() as s:
+                env = queue.try_poll(s)
+                assert env is not None and queue.ack(s, env)
+                delivered.append(env.payload)
+        blocker.commit()
+    finally:
+        blocker.close()
+        deploy.join(60)
+    assert results and results[0].replaced
+    for minute in (1, 2, 3):
+        clock.set(utc(2030, 1, 1, 12, minute, 30))
+        with backend.Session.begin() as s:
+            while (env := queue.try_poll(s)) is not None:
+                assert queue.ack(s, env)
+                delivered.append(env.payload)
+    runs = [(p["scheduled_for"], p.get("data")) for p in delivered]
+    assert runs == [
+        ("2030-01-01T12:01:00Z", {"v": 1}),
+        ("2030-01-01T12:02:00Z", {"v": 2}),
+        ("2030-01-01T12:03:00Z", {"v": 2}),
     ]
 
 
