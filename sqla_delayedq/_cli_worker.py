@@ -178,15 +178,33 @@ def hook_metrics(worker: Any, target: str, port: int) -> AppDatabase:
     return app
 
 
+def _unreachable(exc: Exception) -> bool:
+    """The check could not reach the database (refused, restarting, failing over): not a
+    configuration error. The worker retries such errors itself, so it starts anyway; exiting
+    would make ``--processes`` count a quick exit and, after three, stop every child."""
+    from ._dialects import is_transient
+
+    if not is_transient(exc):
+        return False
+    log.warning("could not check the tables (%s); starting, the worker retries", exc)
+    return True
+
+
 def check_tables(bind: Any, tables: list[Table]) -> None:
     """Before running: each table exists and is a message table (advice when not)."""
     if not isinstance(bind, Engine):
         return  # a sessionmaker without one engine: the worker finds out itself
-    with bind.connect() as conn:
-        for t in tables:
-            problem = table_problem(conn, t, from_app=True)
-            if problem is not None:
-                raise RuntimeFailure(problem)
+    try:
+        with bind.connect() as conn:
+            for t in tables:
+                problem = table_problem(conn, t, from_app=True)
+                if problem is not None:
+                    raise RuntimeFailure(problem)
+    except RuntimeFailure:
+        raise
+    except Exception as exc:
+        if not _unreachable(exc):
+            raise
 
 
 async def check_tables_async(bind: Any, tables: list[Table]) -> None:
@@ -195,11 +213,17 @@ async def check_tables_async(bind: Any, tables: list[Table]) -> None:
 
     if not isinstance(bind, AsyncEngine):
         return
-    async with bind.connect() as conn:
-        for t in tables:
-            problem = await conn.run_sync(table_problem, t, from_app=True)
-            if problem is not None:
-                raise RuntimeFailure(problem)
+    try:
+        async with bind.connect() as conn:
+            for t in tables:
+                problem = await conn.run_sync(table_problem, t, from_app=True)
+                if problem is not None:
+                    raise RuntimeFailure(problem)
+    except RuntimeFailure:
+        raise
+    except Exception as exc:
+        if not _unreachable(exc):
+            raise
 
 
 def monitor(worker: Any, heartbeat: float, no_monitor: bool) -> None:

@@ -56,6 +56,8 @@ log = logging.getLogger("sqla_delayedq.worker")
 
 #: How often the heartbeat looks at the leases in flight at most (seconds); see ``_heartbeat``.
 HEARTBEAT_CHECK = 0.5
+#: How often a stopping worker's heartbeat looks whether the drain is over (seconds).
+DRAIN_LOOK = 0.05
 
 #: Transient errors in a row that ``process_due`` retries before it raises the last one.
 PROCESS_DUE_RETRIES = 5
@@ -248,6 +250,16 @@ class Runtime(Protocol):
 
     def pause(self, seconds: float) -> None:
         """Sleep until ``seconds`` pass or a stop is requested."""
+        ...
+
+    @property
+    def drained(self) -> bool:
+        """No consumer runs a handler any more (see :meth:`mark_drained`)."""
+        ...
+
+    def mark_drained(self) -> None:
+        """After a stop's drain (or a ``process_due`` pass): the heartbeat may end. Until
+        then it goes on through the drain, for handlers that run on after the stop request."""
         ...
 
     def generation(self) -> int: ...
@@ -862,7 +874,8 @@ class BaseWorker(Generic[S]):
                 self.hooks.processed(reg.source.name, env, elapsed)
         else:
             log.warning(
-                "%d ack(s) on %s lost: their lease ran out before the handler returned",
+                "%d ack(s) on %s refused: the lease ran out, or an offer replaced the message, "
+                "before the handler returned",
                 len(envs) - acked,
                 reg.source.name,
             )
@@ -941,11 +954,14 @@ class BaseWorker(Generic[S]):
     def _transactional_once(self, reg: Registration) -> Taken:
         """Take, handle and acknowledge in one transaction (the source's ``process_one``)."""
         rt = self.rt
+        #: A limited queue's lease, committed apart: a rollback of this transaction leaves it.
+        leased: list[Envelope[Any]] = []
 
         def handle(envelope: Envelope[Any], session: Session) -> Any:
             self._observe(reg, envelope)
             if not (envelope.lock_token and leases_apart(session)):
                 return rt.call(reg.handler, envelope, session)  # the row lock holds it
+            leased.append(envelope)
             # A limited queue's take is a lease committed apart: without the heartbeat it runs
             # out under a long handler, and another consumer runs the message beside it.
             self._in_flight.add(reg, envelope)
@@ -954,19 +970,30 @@ class BaseWorker(Generic[S]):
             finally:
                 self._in_flight.pop(reg, envelope)
 
-        with rt.session() as s, s.begin():
-            if rt.stopping:
-                return Taken(0, False, None)
-            started = time.monotonic()
-            try:
-                result, ahead = reg.source.process_next(s, handle)
-            except BaseException as exc:
-                if not isinstance(exc, Exception) and not (rt.stopping and is_cancellation(exc)):
-                    # Stop before the rollback makes the message due again (see _consume).
-                    self._fail(exc, f"the handler of {reg.source.name}")
-                raise
-            if result is None:
-                return Taken(0, False, self._idle(s, reg))
+        try:
+            with rt.session() as s, s.begin():
+                if rt.stopping:
+                    return Taken(0, False, None)
+                started = time.monotonic()
+                try:
+                    result, ahead = reg.source.process_next(s, handle)
+                except BaseException as exc:
+                    if not isinstance(exc, Exception) and not (
+                        rt.stopping and is_cancellation(exc)
+                    ):
+                        # Stop before the rollback makes the message due again (see _consume).
+                        self._fail(exc, f"the handler of {reg.source.name}")
+                    raise
+                if result is None:
+                    return Taken(0, False, self._idle(s, reg))
+        except Exception:
+            # The transaction failed (a lost connection, a deadlock, a failed commit): as for a
+            # plain take, the message is due again at once, no attempt counted. A lease taken
+            # apart would otherwise hold it for a whole lease and count a lost attempt. (After
+            # a commit that did happen, the release finds no such token and changes nothing.)
+            for env in leased:
+                self._settle(reg, env, "release")
+            raise
         envelope, error, outcome = result
         # Hooks run after the commit, so they report what the database now holds.
         if error is None:
@@ -996,9 +1023,19 @@ class BaseWorker(Generic[S]):
         """
         rt = self.rt
         every = heartbeat_every(self._registrations)
-        while not rt.stopping:
-            rt.pause(every)
+        due = time.monotonic() + every
+        while not rt.drained:
+            # A stop request does not end it: handlers that run on through the drain keep
+            # their leases (else another consumer runs their messages beside them, or counts
+            # them as lost). It ends once the runtime is drained; meanwhile it looks often.
+            if rt.stopping:
+                rt.sleep(DRAIN_LOOK)
+            else:
+                rt.pause(max(0.0, due - time.monotonic()))
             now = time.monotonic()
+            if rt.drained or now < due:
+                continue
+            due = now + every
             for reg, env, started in self._in_flight.snapshot():
                 remaining = (env.lease_until - reg.source.now()).total_seconds()
                 if remaining > reg.lease.total_seconds() / 2:

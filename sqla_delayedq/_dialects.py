@@ -49,7 +49,7 @@ from sqlalchemy.sql import ColumnElement, Insert
 
 from . import _statements as st
 from ._engine import Family, family, is_mariadb
-from ._rules import INSERT_COLUMNS
+from ._rules import INSERT_COLUMNS, lost_token
 from ._statements import P, Shape
 from ._wakeup import Wake, payload_tail
 from ._wakeup import parse as parse_wake
@@ -353,7 +353,7 @@ class Strategy(abc.ABC):
         ids = [r.id for r in picked]
         taken = self.take_picked(session, st.message_shape(t), ids, now, lease_until, prefix)
         claimed = [
-            Claimed(_taken(r, lease_until, prefix), r.lock_token, r.scheduled_at)
+            Claimed(_taken(r, lease_until, prefix), lost_token(r.lock_token), r.scheduled_at)
             for r in picked
             if r.id in taken
         ]
@@ -542,7 +542,10 @@ class PostgreSQLStrategy(Strategy):
             )
         return set(session.execute(stmt, params).scalar() or ())
 
-    TRANSIENT_STATES = frozenset({"40001", "40P01", "55P03", "57P01", "57P02", "57P03"})
+    #: 57014 (query_canceled: statement_timeout, pg_cancel_backend) is transient too: a
+    #: statement cut off for running too long under load is no more permanent than a lock wait
+    #: cut off.
+    TRANSIENT_STATES = frozenset({"40001", "40P01", "55P03", "57014", "57P01", "57P02", "57P03"})
 
     def insert_ignore(self, t: Table) -> Insert:
         return postgresql.insert(t).on_conflict_do_nothing(index_elements=["queue", "key"])
@@ -580,7 +583,7 @@ class PostgreSQLStrategy(Strategy):
             ),
         )
         rows = session.execute(stmt, P.take(queue, now, lease_until, limit, prefix)).all()
-        claimed = [Claimed(r, r.prev_token, r.prev_scheduled_at) for r in rows]
+        claimed = [Claimed(r, lost_token(r.prev_token), r.prev_scheduled_at) for r in rows]
         claimed.sort(key=lambda c: (-c.row.priority, c.prev_scheduled_at, c.row.id))
         more = bool(rows) and rows[0].picked > limit
         if ahead and rows and not more:
@@ -731,7 +734,9 @@ class MySQLStrategy(Strategy):
         )
         return set(session.execute(stamped, {"m_token": token}).scalars())
 
-    TRANSIENT_CODES = frozenset({1205, 1213, 1927, 2003, 2006, 2013, 2055, 4031})
+    #: With 1317 (KILL QUERY), 1969 (MariaDB max_statement_time) and 3024 (MySQL
+    #: max_execution_time): a statement interrupted, not a statement that cannot work.
+    TRANSIENT_CODES = frozenset({1205, 1213, 1317, 1927, 1969, 2003, 2006, 2013, 2055, 3024, 4031})
 
     def insert_ignore(self, t: Table) -> Insert:
         return mysql.insert(t).prefix_with("IGNORE")
@@ -881,7 +886,7 @@ class PgListener(Listener):
 
 def _taken(row: Any, lease_until: datetime, prefix: str) -> SimpleNamespace:
     """A picked row as the take left it."""
-    lost = 0 if row.lock_token is None else 1  # as the take's SET counted it
+    lost = 0 if lost_token(row.lock_token) is None else 1  # as the take's SET counted it
     return SimpleNamespace(
         **{
             **row._mapping,

@@ -198,8 +198,12 @@ def run_in_savepoint(
             savepoint.rollback()
         except Exception as gone:
             # The server ended the whole transaction (InnoDB does on a deadlock), the take with
-            # it: the handler's error is what the consumer must see (transient: run it again).
-            raise error from gone
+            # it: nothing of this attempt can be recorded, and the message is due again. That is
+            # a transient fault whatever the handler made of it (it may have wrapped the
+            # deadlock in an error of its own): retried, uncounted, never a stopped worker.
+            raise TransientError(
+                f"the transaction ended while the handler ran ({gone}): {error}"
+            ) from error
         if session.connection().invalidated:
             # The connection was lost while the handler ran, and the take with it: nothing of
             # this attempt can be recorded, and the message is due again (retried, uncounted).

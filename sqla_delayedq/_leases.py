@@ -32,7 +32,7 @@ from ._dialects import (
     transient_as_ours,
 )
 from ._handlers import run_in_savepoint
-from ._rules import after_failure, lease_exhausted, lost_lease_error
+from ._rules import after_failure, held_parts, hold, lease_exhausted, lost_lease_error
 from ._time import Clock, require_aware, require_duration
 from ._types import Envelope, NackOutcome
 from .errors import DecodeError, InvalidArgument
@@ -365,10 +365,35 @@ class LeasedQueue(abc.ABC, Generic[T]):
         if stmt is None:
             stmt = self._settles[name] = st.settle(self.shape, name)
         if st.affected(session, stmt, {**params, "s_id": row_id, "s_token": token}) != 1:
-            return False
+            return bool(token) and self._settle_held(session, name, row_id, token, params)
         if payload is not None:
             self._mirror(payload, st.settled_values(self.shape, name, params))
         return True
+
+    def _settle_held(
+        self, session: Session, name: st.SettleName, row_id: Any, token: str, params: Any
+    ) -> bool:
+        """A settle of a delivery whose message an offer updated meanwhile (held under a token
+        that carries this one, see :func:`~sqla_delayedq._rules.hold`): ``extend`` lengthens
+        the hold (True); anything else ends it, the new version due at its own time or at once
+        (``release(at=)``: not before ``at``), and settles nothing (False)."""
+        shape = self.shape
+        found = session.execute(st.select_held(shape, row_id, token)).first()
+        parts = None if found is None else held_parts(found[0])
+        if found is None or parts is None or parts[1] != token:
+            return False
+        held_token, held_due = found
+        due = parts[0] if parts[0] is not None else held_due  # the new version's own time
+        if name == "extend":
+            until = params["s_at"]
+            if until > held_due:
+                new_token, new_due = hold(token, until, due)
+                session.execute(st.set_held(shape, row_id, held_token, new_token, new_due))
+            return True
+        at = params["s_at"] if name == "release" else None
+        ends = max(due, at or self.now())
+        session.execute(st.set_held(shape, row_id, held_token, None, ends))
+        return False
 
     def _mirror(self, payload: Any, values: dict[Any, Any]) -> None:
         """After a settle: make an object that mirrors the row show what was written (an

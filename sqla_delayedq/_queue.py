@@ -22,7 +22,7 @@ from ._dialects import Claimed, Claims, Strategy, strategy_for, transient_as_our
 from ._handlers import run_in_savepoint
 from ._leases import UNSEEN, Ahead, LeasedQueue, Processed, check_count, leases_apart
 from ._offers import OfferInput
-from ._rules import after_failure, check_priority
+from ._rules import after_failure, check_priority, lost_token
 from ._time import Clock, require_aware, require_duration, system_clock
 from ._types import Delivery, Envelope, NackOutcome, OfferMode, OfferResult, Outcome, built
 from .errors import DecodeError, InvalidArgument
@@ -148,7 +148,9 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         """Enqueue ``payload`` under ``key`` (generated when None), due at ``at`` (now).
 
         Returns the key and ``CREATED``, ``UPDATED`` or ``IGNORED`` (see :class:`OfferMode`).
-        An update resets the lease, so a consumer still holding the old version cannot ack it.
+        An update starts a fresh run: a consumer still holding the old version cannot ack it,
+        and the new version waits, in flight, until that old delivery ends (its ack, failure,
+        release, or the end of its lease): never handled beside it.
         ``headers`` (str to str, for example a trace context) travel with the message to
         :attr:`Envelope.headers`; they are not part of its identity (an offer that changes only
         them is ``IGNORED``), and an update stores the updating offer's. ``group`` (a queue with
@@ -309,7 +311,12 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
                     status="done", scheduled_at=None, lock_token=None, last_attempt_at=self.now()
                 )
             )
-        return st.affected(session, stmt)
+        acked = st.affected(session, stmt)
+        if acked < len(envelopes):  # some were replaced in flight: end their holds
+            for e in envelopes:
+                if e.lock_token:
+                    self._settle_held(session, "ack", e.id, e.lock_token, {})
+        return acked
 
     # -- transactional mode --------------------------------------------------------------
 
@@ -398,7 +405,7 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
             self._put_back(session, row, row.attempts + 1, error_text(exc), None, now)
             return None
         # Consumed: no lease and no token; the row's own due time and token are the "before".
-        return _envelope(row, payload, row.scheduled_at, row.lock_token, "", now)
+        return _envelope(row, payload, row.scheduled_at, lost_token(row.lock_token), "", now)
 
     def _put_back(
         self,

@@ -9,7 +9,7 @@ Single offers, batch offers and cron write rows through :func:`new_row` and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from ._types import OfferMode
@@ -18,6 +18,7 @@ from .retry import RetryPolicy
 
 __all__ = [
     "FRESH",
+    "HELD",
     "INSERT_COLUMNS",
     "OFFER_RULES",
     "PRIORITY_MAX",
@@ -25,8 +26,11 @@ __all__ = [
     "OfferRule",
     "after_failure",
     "check_priority",
+    "held_parts",
+    "hold",
     "lease_exhausted",
     "lost_lease_error",
+    "lost_token",
     "new_row",
     "offer_changes",
 ]
@@ -122,7 +126,8 @@ def offer_changes(
     - ``SKIP``: never updates.
 
     Every update starts a fresh run (no lease, no attempts, no error), so a consumer still
-    holding the old version cannot acknowledge it.
+    holding the old version cannot acknowledge it. An update of a message in flight is
+    :func:`hold`-ed until the old delivery ends: never taken beside its handler.
     """
     rule = OFFER_RULES[mode]
     if not rule.updates:
@@ -133,14 +138,66 @@ def offer_changes(
         return None
     if rule.reschedules:
         when = now if at is None else at
-        return {**payload, **FRESH, "scheduled_at": when, "scheduled_at_initially": when}
-    if row.status != "pending":
-        scheduled_at = at or now
+        changes = {**payload, **FRESH, "scheduled_at": when, "scheduled_at_initially": when}
+    elif row.status != "pending":
+        changes = {**payload, **FRESH, "scheduled_at": at or now}
     elif row.lock_token is not None:
-        scheduled_at = now
+        changes = {**payload, **FRESH, "scheduled_at": now}
     else:
-        scheduled_at = row.scheduled_at
-    return {**payload, **FRESH, "scheduled_at": scheduled_at}
+        changes = {**payload, **FRESH, "scheduled_at": row.scheduled_at}
+    if row.status == "pending" and row.lock_token is not None and row.scheduled_at > now:
+        changes["lock_token"], changes["scheduled_at"] = hold(
+            row.lock_token, row.scheduled_at, changes["scheduled_at"]
+        )
+    return changes
+
+
+# -- a message updated while in flight ---------------------------------------------------------
+
+#: The mark of a held lock token: ``~<due in µs since the epoch, or nothing>~<old token>``.
+HELD = "~"
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_MICRO = timedelta(microseconds=1)
+
+
+def hold(token: str, lease_end: datetime, due: datetime) -> tuple[str, datetime]:
+    """The lock token and due time of a message updated while in flight: held until the old
+    delivery ends.
+
+    The old handler is still running: the new version must not start beside it (its group
+    would have two messages in flight, an in-flight limit one too many), nor may the old
+    delivery settle it. So the row stays in flight under a token nobody holds, which carries
+    the old one: the old consumer's ack, failure or release then ends the hold (the new
+    version is due at ``due``, or at once if that passed), its heartbeat lengthens it, and if
+    it dies the hold ends with its lease. Until then the row is due at the later of ``due`` and
+    the lease's end; the token keeps ``due`` when the lease ends later. Its next take is a first
+    delivery, no lost attempt.
+
+    An update of a message already held keeps its old token; its hold ends no earlier than the
+    row's current due time (a first update's later ``due`` may then hold a second one longer,
+    up to that time, if the old consumer dies).
+    """
+    parts = held_parts(token)
+    old = token if parts is None else parts[1]
+    if due >= lease_end:
+        return f"{HELD}{HELD}{old}", due
+    return f"{HELD}{(due - _EPOCH) // _MICRO}{HELD}{old}", lease_end
+
+
+def held_parts(token: str | None) -> tuple[datetime | None, str] | None:
+    """A held token's (due time it keeps, old token); None for any other token."""
+    if token is None or not token.startswith(HELD):
+        return None
+    stamp, sep, old = token[1:].partition(HELD)
+    if not sep or not (stamp == "" or stamp.isdigit()):
+        return None
+    return (_EPOCH + int(stamp) * _MICRO if stamp else None), old
+
+
+def lost_token(token: str | None) -> str | None:
+    """A take's previous lock token, as far as lost attempts go: a held one is no lost lease
+    (the update started a fresh run), so its take is a first delivery."""
+    return None if token is None or token.startswith(HELD) else token
 
 
 #: The highest priority a message may have (0 is the default and the lowest).

@@ -44,7 +44,7 @@ from sqlalchemy.sql.expression import ColumnClause
 from sqlalchemy.sql.visitors import InternalTraversal
 
 from ._codec import LenientJSON
-from ._rules import INSERT_COLUMNS
+from ._rules import HELD, INSERT_COLUMNS
 from ._time import DateTimeUTC
 
 Lock = Literal["update", "share", "update_skip_locked"] | None
@@ -396,7 +396,9 @@ def take_values(shape: Shape, lease_until: Any, prefix: Any) -> list[tuple[Any, 
     (see :func:`~sqla_delayedq._rules.lease_exhausted`), so a row that keeps killing or hanging
     its consumers ends up dead.
     """
-    lost = case((shape.token.is_(None), 0), else_=1)
+    # A held token (an update while in flight, see _rules.hold) started a fresh run: no loss.
+    held = func.substr(shape.token, 1, 1) == HELD
+    lost = case((or_(shape.token.is_(None), held), 0), else_=1)
     return [
         (shape.attempts, shape.attempts + lost),
         (shape.due, lease_until),
@@ -707,6 +709,21 @@ def settle(shape: Shape, name: SettleName) -> Delete | Update:
         for column, v in settle_plan(shape, name).items()
     }
     return update(shape.table).where(guard).values(values)
+
+
+def select_held(shape: Shape, row_id: Any, token: str) -> Select[Any]:
+    """The (token, due) of the row ``row_id`` when an offer holds it for the delivery of
+    ``token`` (see :func:`~sqla_delayedq._rules.hold`), locked."""
+    held = shape.token.endswith(HELD + token, autoescape=True)
+    return select(shape.token, shape.due).where(shape.id == row_id, held).with_for_update()
+
+
+def set_held(
+    shape: Shape, row_id: Any, held_token: str, token: str | None, due: datetime
+) -> Update:
+    """Lengthen a hold (a new held token and due time) or end it (``token`` None)."""
+    guard = and_(shape.id == row_id, shape.token == held_token)
+    return update(shape.table).where(guard).values({shape.token: token, shape.due: due})
 
 
 def settled_values(shape: Shape, name: SettleName, params: dict[str, Any]) -> dict[Any, Any]:

@@ -337,6 +337,7 @@ class AsyncRuntime:
         self.loop = loop
         self.sessions = sessions
         self._stopping = False
+        self._drained = False
         self._stopped: asyncio.Future[None] = loop.create_future()
         self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
         self._generation = 0
@@ -381,6 +382,13 @@ class AsyncRuntime:
 
     def pause(self, seconds: float) -> None:
         await_only(self._pause(seconds))
+
+    @property
+    def drained(self) -> bool:
+        return self._drained
+
+    def mark_drained(self) -> None:
+        self._drained = True
 
     async def _pause(self, seconds: float) -> None:
         if not self._stopped.done():
@@ -481,6 +489,7 @@ class AsyncWorker(BaseWorker[async_sessionmaker[AsyncSession]]):
             for t in pending:
                 t.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
+            rt.mark_drained()  # the heartbeat kept the drained handlers' leases until now
             await greenlet_spawn(self._release_in_flight)
             await greenlet_spawn(self._stop_periodic)
             log.info("%s stopped (%d tasks did not finish in time)", self.name, len(pending))
@@ -510,6 +519,13 @@ class AsyncWorker(BaseWorker[async_sessionmaker[AsyncSession]]):
         """Handle what is due now, on this task, and return how many were handled (see
         :meth:`Worker.process_due <sqla_delayedq.worker.Worker.process_due>`)."""
         self._check_startable()
-        self._rt = AsyncRuntime(asyncio.get_running_loop(), self.sessions)
-        count: int = await greenlet_spawn(self._process_due, limit)
+        rt = self._rt = AsyncRuntime(asyncio.get_running_loop(), self.sessions)
+        # Lease-mode handlers that outlive half a lease need it extended here too.
+        heartbeat = asyncio.create_task(greenlet_spawn(self._heartbeat))
+        try:
+            count: int = await greenlet_spawn(self._process_due, limit)
+        finally:
+            rt.mark_drained()
+            rt.request_stop()
+            await asyncio.gather(heartbeat, return_exceptions=True)
         return count

@@ -53,7 +53,7 @@ from sqlalchemy import inspect as sa_inspect
 from sqlalchemy import update as sa_update
 from sqlalchemy.engine import CursorResult, Result
 from sqlalchemy.orm import Mapped, Mapper, Session, mapped_column
-from sqlalchemy.orm.attributes import set_committed_value
+from sqlalchemy.orm.attributes import flag_modified, set_committed_value
 from sqlalchemy.sql import ColumnElement, Select
 
 from . import _statements as st
@@ -339,6 +339,11 @@ class EntityQueue(LeasedQueue[M]):
         for entity in entities:
             for name, value in values.items():
                 setattr(entity, name, value)
+                if sa_inspect(entity).has_identity:  # persistent or detached
+                    # Written even when equal to the value this Session loaded: a take since
+                    # then set a lock token (and lease end) that must be cleared, or the
+                    # consumer's ack/nack still matches and overwrites this new run.
+                    flag_modified(entity, name)
             session.add(entity)
         return len(entities)
 

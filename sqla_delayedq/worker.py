@@ -37,6 +37,9 @@ __all__ = ["Handler", "Mode", "Worker", "WorkerHooks"]
 
 log = logging.getLogger("sqla_delayedq.worker")
 
+#: How long a stop waits at least for the heartbeat and side threads once the drain is over.
+DRAIN_JOIN = 1.0
+
 #: Lease mode: ``handler(envelope)``; transactional mode: ``handler(envelope, session)``.
 Handler = Callable[..., Any]
 
@@ -62,6 +65,7 @@ class ThreadRuntime:
     def __init__(self, sessions: sessionmaker[Session]) -> None:
         self.sessions = sessions
         self._stop = threading.Event()
+        self._drained = False
         self._lock = threading.Lock()
         self._generation = 0
         #: One slot per waiting thread, longest waiting first; ``notify`` sets a slot's event.
@@ -86,6 +90,13 @@ class ThreadRuntime:
 
     def pause(self, seconds: float) -> None:
         self._stop.wait(seconds)
+
+    @property
+    def drained(self) -> bool:
+        return self._drained
+
+    def mark_drained(self) -> None:
+        self._drained = True
 
     def generation(self) -> int:
         with self._lock:
@@ -138,10 +149,11 @@ class Worker(BaseWorker[sessionmaker[Session]]):
 
     # -- lifecycle -----------------------------------------------------------------------
 
-    def _spawn(self, target: Callable[[], None], name: str) -> None:
+    def _spawn(self, target: Callable[[], None], name: str) -> threading.Thread:
         thread = threading.Thread(target=target, name=f"{self.name}-{name}", daemon=True)
         thread.start()
         self._threads.append(thread)
+        return thread
 
     def start(self) -> None:
         """Start the threads and return; see :meth:`stop` and :meth:`run`."""
@@ -158,8 +170,7 @@ class Worker(BaseWorker[sessionmaker[Session]]):
             self._cleanup.append(listener.stop)
         for task in self._side_tasks(bind):
             self._spawn(lambda task=task: self._run_periodic(task), task.name)  # type: ignore[misc]
-        for i in range(self.concurrency):
-            self._spawn(self._consume, str(i))
+        self._consumers = [self._spawn(self._consume, str(i)) for i in range(self.concurrency)]
         self._spawn(self._heartbeat, "hb")  # leases: lease mode's, and limited queues' takes
         log.info("%s started: %d threads on %s", self.name, self.concurrency, self._tables())
 
@@ -172,9 +183,15 @@ class Worker(BaseWorker[sessionmaker[Session]]):
         self.request_stop()
         deadline = time.monotonic() + timeout
         threads = getattr(self, "_threads", [])
-        for t in threads:
+        consumers = getattr(self, "_consumers", [])
+        for t in consumers:  # the heartbeat keeps their leases meanwhile
             t.join(max(0.0, deadline - time.monotonic()))
-        stuck = [t for t in threads if t.is_alive()]
+        if self._rt is not None:
+            self._rt.mark_drained()
+        for t in threads:
+            if t not in consumers:
+                t.join(max(0.0, deadline - time.monotonic(), DRAIN_JOIN))
+        stuck = [t for t in consumers if t.is_alive()]
         if self._rt is not None:
             self._release_in_flight()
             self._stop_periodic()
@@ -213,5 +230,13 @@ class Worker(BaseWorker[sessionmaker[Session]]):
         stops after about that many messages.
         """
         self._check_startable()
-        self._rt = ThreadRuntime(self.sessions)
-        return self._process_due(limit)
+        rt = self._rt = ThreadRuntime(self.sessions)
+        # Lease-mode handlers that outlive half a lease need it extended here too.
+        heartbeat = threading.Thread(target=self._heartbeat, name=f"{self.name}-hb", daemon=True)
+        heartbeat.start()
+        try:
+            return self._process_due(limit)
+        finally:
+            rt.mark_drained()
+            rt.request_stop()
+            heartbeat.join()

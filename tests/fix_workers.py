@@ -84,6 +84,10 @@ class AsyncRunner:
     def request_stop(self) -> None:
         self.worker.request_stop()
 
+    def process_due(self, limit: int | None = None) -> int:
+        """The asyncio worker's ``process_due`` on an event loop of the calling thread's own."""
+        return asyncio.run(self.worker.process_due(limit))
+
     def stop(self, drain_timeout: float | None = None) -> bool:
         if drain_timeout is not None:
             self.worker.drain_timeout = drain_timeout

@@ -1293,3 +1293,25 @@ def test_an_entity_table_or_a_domain_table_is_refused_in_one_line(
         "table 'app_customers'",
         "is not a message table: it lacks the QueueMessageMixin columns queue, key, payload_type",
     )
+
+
+def test_a_worker_whose_table_check_cannot_reach_the_database_starts_anyway(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A database that refuses connections for a moment (a restart, a failover) is no
+    configuration error: the check warns and the worker starts, retrying on its own. Exiting
+    made ``--processes`` count quick exits and, after three, stop every child, healthy ones
+    included. A missing table still stops it."""
+    from sqla_delayedq import create_engine
+    from sqla_delayedq._cli_base import RuntimeFailure
+    from sqla_delayedq._cli_worker import check_tables
+
+    table = DelayedMessage.__table__
+    refused = create_engine("postgresql+psycopg://postgres@127.0.0.1:1/nowhere")
+    with caplog.at_level("WARNING", logger="sqla_delayedq"):
+        check_tables(refused, [table])  # type: ignore[list-item]
+    assert "could not check the tables" in caplog.text
+    refused.dispose()
+    empty = create_engine("sqlite://")
+    with pytest.raises(RuntimeFailure):
+        check_tables(empty, [table])  # type: ignore[list-item]

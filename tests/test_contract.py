@@ -622,3 +622,96 @@ def test_offer_batch_writes_payloads_as_serialized_and_reoffers_are_ignored(
         assert custom.offer(s, "c", "hi").outcome is Outcome.IGNORED
         assert custom.get(s, "c").payload == "hi"
         assert [m.key for m in custom.search(s, MessageFilter(payload={"text": "HI"}))] == ["c"]
+
+
+# -- an update of a message in flight waits for the old delivery ---------------------------------
+
+
+@pytest.mark.parametrize("via", ["offer", "offer_batch"])
+@pytest.mark.parametrize("mode", [OfferMode.REPLACE, OfferMode.KEEP_SCHEDULE])
+@pytest.mark.parametrize("end", ["ack", "nack", "release", "lease runs out", "extended"])
+def test_an_update_of_a_message_in_flight_waits_for_the_old_delivery(
+    backend, make_queue, clock, via, mode, end
+):
+    """The new version is never taken beside the old version's handler: it is held in flight
+    until the old delivery ends. The old consumer's ack, failure or release ends the hold (none
+    of them settles the new version), its heartbeat lengthens it, its death ends it with its
+    lease; the new version is then a first delivery with a fresh count of attempts."""
+    q = make_queue(lease=timedelta(seconds=30))
+    with backend.Session() as s, s.begin():
+        q.offer(s, "k", {"v": 1})
+        q.offer(s, "other", {"v": 1}, clock() + timedelta(hours=2))
+    with backend.Session() as s, s.begin():
+        old = q.try_poll(s)
+    assert old is not None and old.key == "k"
+    clock.advance(timedelta(seconds=1))
+    with backend.Session() as s, s.begin():
+        if via == "offer":
+            outcome = q.offer(s, "k", {"v": 2}, mode=mode).outcome
+        else:
+            [result] = q.offer_batch(s, [("k", {"v": 2})], mode=mode)
+            outcome = result.outcome
+        assert outcome is Outcome.UPDATED
+    with backend.Session() as s, s.begin():
+        assert q.get(s, "k").state is State.IN_FLIGHT
+        assert q.try_poll(s) is None  # held for the old delivery
+        assert q.count(s, MessageFilter(state="in_flight")) == 1
+    if end == "extended":  # the old consumer's heartbeat keeps it held past the first lease
+        with backend.Session() as s, s.begin():
+            assert q.extend(s, old, timedelta(seconds=60)) is not None
+        clock.advance(timedelta(seconds=40))
+        with backend.Session() as s, s.begin():
+            assert q.try_poll(s) is None
+    with backend.Session() as s, s.begin():
+        if end in ("ack", "extended"):
+            assert q.ack(s, old) is False  # does not delete the new version
+        elif end == "nack":
+            assert q.nack(s, old, "old failed") is NackOutcome.STALE  # not recorded on it
+        elif end == "release":
+            assert q.release(s, old) is False
+    if end == "lease runs out":
+        with backend.Session() as s, s.begin():
+            assert q.try_poll(s) is None
+        clock.advance(timedelta(seconds=30))  # the old consumer died: its lease ends
+    with backend.Session() as s, s.begin():
+        new = q.try_poll(s)
+    assert new is not None and new.payload == {"v": 2}
+    assert new.delivery is Delivery.FIRST and new.attempt == 1
+    with backend.Session() as s, s.begin():
+        info = q.get(s, "k")
+        assert info.attempts == 0 and info.last_error is None
+        assert q.ack(s, new)
+
+
+@pytest.mark.parametrize("end", ["ack", "lease runs out"])
+def test_an_update_in_flight_keeps_its_own_later_time(backend, make_queue, clock, end):
+    """A replacement due later than the old lease ends is due at its own time once the hold
+    ends; one due before that waits for the hold, then is due at once."""
+    q = make_queue(lease=timedelta(seconds=30))
+    with backend.Session() as s, s.begin():
+        q.offer(s, "late", {"v": 1})
+        q.offer(s, "soon", {"v": 1})
+    with backend.Session() as s, s.begin():
+        taken = {e.key: e for e in q.try_poll_many(s, 2)}
+    t0 = clock()
+    with backend.Session() as s, s.begin():
+        q.offer(s, "late", {"v": 2}, t0 + timedelta(minutes=10))
+        q.offer(s, "soon", {"v": 2}, t0 + timedelta(seconds=5))
+    if end == "ack":
+        clock.advance(timedelta(seconds=10))
+        with backend.Session() as s, s.begin():
+            assert not q.ack(s, taken["late"]) and not q.ack(s, taken["soon"])
+            assert q.get(s, "soon").scheduled_at == t0 + timedelta(seconds=10)  # at once
+            assert q.get(s, "late").scheduled_at == t0 + timedelta(minutes=10)
+    else:
+        with backend.Session() as s, s.begin():
+            assert q.get(s, "soon").scheduled_at == t0 + timedelta(seconds=30)  # the lease
+            assert q.get(s, "late").scheduled_at == t0 + timedelta(minutes=10)
+        clock.advance(timedelta(seconds=30))
+    with backend.Session() as s, s.begin():
+        [soon] = q.try_poll_many(s, 5)
+        assert soon.key == "soon" and q.ack(s, soon)
+    clock.set(t0 + timedelta(minutes=10))
+    with backend.Session() as s, s.begin():
+        [late] = q.try_poll_many(s, 5)
+        assert late.key == "late" and late.delivery is Delivery.FIRST

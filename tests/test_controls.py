@@ -196,6 +196,23 @@ def test_a_failed_transactional_attempt_of_a_limited_queue_is_recorded(backend, 
         assert not q.contains(s, "written-by-the-handler")  # rolled back to the savepoint
 
 
+def test_an_update_of_a_message_in_flight_still_counts_against_the_limit(backend, make_queue):
+    """A keyed offer that updates a message while its handler runs keeps it in flight (held for
+    the old delivery): a limit of one admits nothing more until that delivery ends."""
+    q = make_queue("replaced-limited")
+    with backend.Session() as s, s.begin():
+        q.set_limits(s, max_in_flight=1)
+    offer_many(backend, q, 2)
+    [m0] = poll(backend, q, 5)
+    with backend.Session() as s, s.begin():
+        q.offer(s, m0.key, {"v": 2})
+    assert poll(backend, q, 5) == []  # m0's old handler still runs
+    with backend.Session() as s, s.begin():
+        assert not q.ack(s, m0)
+    assert len(poll(backend, q, 5)) == 1
+    assert poll(backend, q, 5) == []  # and that one is in flight now
+
+
 def test_a_failure_recorded_after_a_limited_consume_rolled_back_is_kept(backend, make_queue, clock):
     """A limited queue's consume leases its messages in a transaction of their own: after the
     caller's rollback, record_failure must still find the message (under that lease), record the

@@ -71,3 +71,18 @@ def test_transient_errors_are_recognised():
     assert is_transient(OperationalError("x", {}, MyError(1213, "Deadlock found")))
     assert not is_transient(OperationalError("x", {}, MyError(1062, "Duplicate entry")))
     assert not is_transient(ValueError("not a database error"))
+
+
+def test_a_statement_cut_off_by_a_timeout_is_transient(server_backend):
+    """``statement_timeout`` (PostgreSQL 57014) and ``max_statement_time`` (MariaDB 1969) cut a
+    statement off for running too long, as under load: no more permanent than a lock wait that
+    ran out (a worker retries it rather than stop)."""
+    with server_backend.engine.connect() as conn:
+        if server_backend.name == "postgresql":
+            conn.execute(sa.text("SET LOCAL statement_timeout = '50ms'"))
+            slow = sa.text("SELECT pg_sleep(2)")
+        else:
+            slow = sa.text("SET STATEMENT max_statement_time=0.05 FOR SELECT SLEEP(2)")
+        with pytest.raises(sa.exc.OperationalError) as caught:
+            conn.execute(slow)
+    assert is_transient(caught.value)

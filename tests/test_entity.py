@@ -27,6 +27,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from sqla_delayedq import (
+    Delivery,
     Envelope,
     ExponentialBackoff,
     InvalidArgument,
@@ -315,6 +316,39 @@ def test_an_expired_lease_is_redelivered_and_the_old_lease_cannot_settle(
         assert not queue.release(s, first)
         assert queue.extend(s, first) is None
         assert queue.ack(s, second)
+
+
+@pytest.mark.parametrize("then", ["old consumer acks", "another consumer polls"])
+def test_schedule_of_an_entity_loaded_before_a_take_takes_the_lease_away(
+    server_db: Backend, clock: FakeClock, then: str
+) -> None:
+    """A request loads an order, a worker takes it, the request changes the order and
+    schedules a new run. The ORM writes only what differs from what the request's Session
+    loaded (no lock token then), so the take's token survived: the old consumer's ack wiped the
+    new run, or the next poll counted a lost lease (with one attempt allowed: failed, its
+    handler never run). The new run must be a fresh one whatever the Session loaded."""
+    retry = ExponentialBackoff(max_attempts=1, initial=timedelta(seconds=10), jitter=0)
+    queue = EntityQueue(Order, clock=clock, retry=retry, lease=timedelta(minutes=1))
+    [order_id] = add_orders(server_db.Session, 1)
+    with server_db.Session() as s, s.begin():
+        queue.schedule(s, Order.id == order_id)
+    web = server_db.Session()
+    web.begin()
+    order = web.get(Order, order_id)  # loaded idle-but-due, with no lock token
+    assert order is not None
+    with server_db.Session() as s, s.begin():
+        [taken] = queue.try_poll_many(s, 1)  # a worker's lease-mode take commits
+    order.amount_cents = 999
+    queue.schedule(web, order)
+    web.commit()
+    web.close()
+    with server_db.Session() as s, s.begin():
+        if then == "old consumer acks":
+            assert not queue.ack(s, taken)  # the new run stays
+        [again] = queue.try_poll_many(s, 1)
+        assert again.delivery is Delivery.FIRST and again.attempt == 1
+        assert again.payload.amount_cents == 999
+        assert queue.ack(s, again)
 
 
 def test_nack_retries_with_backoff_then_gives_up_and_retry_failed_starts_over(

@@ -8,6 +8,8 @@ processes are in ``tests/test_groups_processes.py``.
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -17,6 +19,8 @@ from sqla_delayedq import DelayedQueue, ExponentialBackoff, InvalidArgument, Out
 from sqla_delayedq.serializers import JsonSerializer
 from sqla_delayedq.testing import ManualClock
 from tests.fix_db import Backend
+from tests.fix_workers import running
+from tests.test_worker import wait_for
 
 UTC = timezone.utc
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
@@ -335,3 +339,73 @@ def test_a_transactional_take_gives_its_group_back_when_it_rolls_back(
             (again,) = q.try_poll_many(s, 10)
             assert again.key == "a1"
             assert q.release(s, again)
+
+
+def test_an_update_of_a_head_in_flight_keeps_its_group_busy(backend: Backend) -> None:
+    """A keyed offer that updates a group's head while its handler runs: the head stays in flight
+    (held for the old delivery), so the group's next message still waits."""
+    clock = ManualClock(T0)
+    q = grouped(clock)
+    with backend.Session() as s, s.begin():
+        q.offer(s, "a1", {"v": 1}, T0 - timedelta(seconds=2), group="A")
+        q.offer(s, "a2", {"v": 1}, T0 - timedelta(seconds=1), group="A")
+    with backend.Session() as s, s.begin():
+        [a1] = q.try_poll_many(s, 10)
+    with backend.Session() as s, s.begin():
+        assert q.offer(s, "a1", {"v": 2}, T0 + timedelta(minutes=1)).outcome is Outcome.UPDATED
+    with backend.Session() as s, s.begin():
+        assert q.try_poll_many(s, 10) == []  # a1's old handler still runs
+        assert q.consume(s, 10) == []
+    with backend.Session() as s, s.begin():
+        assert not q.ack(s, a1)  # the old delivery ends: a2 is next (a1 is due in a minute)
+    with backend.Session() as s, s.begin():
+        [a2] = q.try_poll_many(s, 10)
+        assert a2.key == "a2" and q.ack(s, a2)
+    clock.advance(timedelta(minutes=1))
+    with backend.Session() as s, s.begin():
+        [again] = q.try_poll_many(s, 10)
+        assert again.key == "a1" and again.payload == {"v": 2}
+
+
+@pytest.mark.parametrize("mode", ["lease", "transactional"])
+def test_a_worker_never_runs_two_of_a_group_when_a_head_is_replaced_in_flight(
+    server_backend: Backend, make_worker: Any, mode: str
+) -> None:
+    """The race for real: a1's handler runs when a producer replaces a1; a2 (same group) must not
+    start until a1's old handler has finished. Handlers count how many of the group run."""
+    q: DelayedQueue[Any] = DelayedQueue("replaced-heads", groups=True)
+    now = datetime.now(UTC)
+    with server_backend.Session() as s, s.begin():
+        q.offer(s, "a1", {"v": 1}, now - timedelta(seconds=2), group="A")
+        q.offer(s, "a2", {"v": 1}, now - timedelta(seconds=1), group="A")
+    lock = threading.Lock()
+    running_now, peak, log = [0], [0], []
+    started = threading.Event()
+
+    def handler(env: Any, *session: Any) -> None:
+        with lock:
+            running_now[0] += 1
+            peak[0] = max(peak[0], running_now[0])
+            log.append(("start", env.key, env.payload["v"]))
+        if env.key == "a1" and env.payload["v"] == 1:
+            started.set()
+            time.sleep(1.0)
+        with lock:
+            running_now[0] -= 1
+            log.append(("end", env.key, env.payload["v"]))
+
+    worker = make_worker(server_backend, concurrency=4, poll_interval=0.05, listen=False)
+    worker.register(q, handler, mode=mode)
+    with running(worker):
+        assert started.wait(30)
+        with server_backend.Session() as s, s.begin():
+            q.offer(s, "a1", {"v": 2}, datetime.now(UTC) + timedelta(seconds=1))
+        assert wait_for(lambda: len(log) >= 6, 30)
+    assert peak[0] == 1, log
+    assert log[:2] == [("start", "a1", 1), ("end", "a1", 1)]
+    assert sorted(log[2:]) == [
+        ("end", "a1", 2),
+        ("end", "a2", 1),
+        ("start", "a1", 2),
+        ("start", "a2", 1),
+    ]

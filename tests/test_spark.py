@@ -195,6 +195,51 @@ def test_spark_modes_match_offer(spark: SparkSession, pg: Backend) -> None:
     assert (asap.created, asap.updated, asap.ignored) == (0, 0, 6)
 
 
+def test_spark_an_update_of_a_message_in_flight_is_held_as_offer_holds_it(
+    spark: SparkSession, pg: Backend
+) -> None:
+    """The bulk upsert writes what ``offer`` writes for a message in flight: held for the old
+    delivery (its token behind the hold's mark), never taken beside the old handler, and the
+    old consumer's ack ends the hold without settling the new version."""
+    from sqla_delayedq._rules import held_parts
+
+    q: DelayedQueue[Any] = DelayedQueue("held", lease=timedelta(minutes=5))
+    with pg.Session() as s, s.begin():
+        q.offer_batch(s, [("keep", {"v": 1}), ("replace", {"v": 1}), ("late", {"v": 1})])
+    with pg.Session() as s, s.begin():
+        taken = {e.key: e for e in q.try_poll_many(s, 3)}
+    assert set(taken) == {"keep", "replace", "late"}
+    later = datetime.now(UTC).replace(microsecond=0) + timedelta(hours=1)
+    rows = [("keep", '{"v": 2}', None), ("replace", '{"v": 2}', None), ("late", '{"v": 2}', later)]
+    df = spark.createDataFrame(rows, "key string, payload string, due timestamp")
+    keep = offer_dataframe(
+        df.where("key = 'keep'").drop("due"), pg.url, "held", mode="keep_schedule"
+    )
+    replace = offer_dataframe(df.where("key <> 'keep'"), pg.url, "held", scheduled_at="due")
+    assert (keep.updated, replace.updated) == (1, 2)
+    t = q.table
+    with pg.Session() as s:
+        stored = {
+            r.key: r
+            for r in s.execute(sa.select(t.c.key, t.c.lock_token, t.c.scheduled_at, t.c.attempts))
+        }
+    for key, env in taken.items():
+        parts = held_parts(stored[key].lock_token)
+        assert parts is not None and parts[1] == env.lock_token, stored[key]
+        if key == "late":  # due after the lease ends: the row's own time, none in the token
+            assert parts[0] is None and stored[key].scheduled_at == later
+        else:  # due before: held to the lease's end, its own time in the token
+            assert parts[0] is not None and parts[0] <= datetime.now(UTC)
+            assert stored[key].scheduled_at == env.lease_until
+    with pg.Session() as s, s.begin():
+        assert q.try_poll_many(s, 5) == []  # never beside the old handlers
+        assert not any(q.ack(s, env) for env in taken.values())  # each ends its hold
+    with pg.Session() as s, s.begin():
+        again = q.try_poll_many(s, 5)
+    assert sorted(e.key for e in again) == ["keep", "replace"]
+    assert all(e.payload == {"v": 2} and e.attempt == 1 for e in again)
+
+
 def test_spark_queue_column_payload_columns_and_dead_letters(
     spark: SparkSession, pg: Backend
 ) -> None:

@@ -275,42 +275,43 @@ def test_a_failing_transactional_handler_runs_at_most_max_attempts_times(backend
 def test_a_message_replaced_in_flight_is_settled_by_each_delivery_s_own_handler(
     backend, make_worker, old_fails
 ):
-    """An offer that replaces a message in flight makes it due again, and another consumer of
-    the same worker takes the new version while the old one's handler still runs. The worker
-    kept one entry per row: the old handler's outcome was settled with the new delivery's
-    token, so the old ack deleted the new version (whose own handler then failed: lost), or
-    the old failure was recorded on the new version (buried dead, its handler succeeding)."""
+    """An offer replaces a message while its handler runs. The new version waits for the old
+    delivery to end (never handled beside it), then runs as a first delivery; each delivery is
+    settled by its own handler. (The worker once kept one entry per row and settled the old
+    handler's outcome with the new delivery's token: the old ack deleted the new version, or the
+    old failure was recorded on it. Before the hold, the new version also ran beside the old.)"""
     retry = ExponentialBackoff(max_attempts=1, initial=timedelta(hours=1), jitter=0)
     q: DelayedQueue[Any] = DelayedQueue("replaced", lease=timedelta(seconds=30), retry=retry)
     offer(backend, q, "K", {"v": 1})
-    old_running, new_running, old_done = threading.Event(), threading.Event(), threading.Event()
-    ran: list[int] = []
+    old_running, replaced = threading.Event(), threading.Event()
+    ran: list[tuple[str, int]] = []
 
     def handler(env: Envelope[Any]) -> None:
         v = env.payload["v"]
-        ran.append(v)
+        ran.append(("start", v))
         if v == 1:
             old_running.set()
-            assert new_running.wait(30)
-            old_done.set()
+            assert replaced.wait(30)
+            time.sleep(0.5)  # the other consumer polls meanwhile: the new version is held
+            ran.append(("end", v))
             if old_fails:
                 raise RuntimeError("the old version failed")
             return
-        new_running.set()
-        assert old_done.wait(30)
-        time.sleep(0.5)  # the old delivery is settled meanwhile
+        assert env.delivery is Delivery.FIRST and env.attempt == 1
+        ran.append(("end", v))
         if not old_fails:
             raise RuntimeError("the new version failed, and must be retried")
 
     hooks = RecordingHooks()
     worker = make_worker(backend, concurrency=2, poll_interval=0.05, listen=False, hooks=hooks)
     worker.register(q, handler)
-    settled = 2 if old_fails else 1  # an ack refused as late is logged, not a hook
+    settled = 2 if old_fails else 1  # an ack refused as superseded is logged, not a hook
     with running(worker):
         assert old_running.wait(30)
-        offer(backend, q, "K", {"v": 2})  # REPLACE: due now, with no lock token
+        offer(backend, q, "K", {"v": 2})  # REPLACE while in flight
+        replaced.set()
         assert wait_for(lambda: len(hooks.processed_) + len(hooks.failed_) >= settled, 30)
-    assert sorted(ran) == [1, 2]
+    assert ran == [("start", 1), ("end", 1), ("start", 2), ("end", 2)]
     with backend.Session() as s:
         info = q.get(s, "K")
     if old_fails:  # the old failure is refused; the new version's success acknowledges it
@@ -1115,6 +1116,136 @@ def test_stop_releases_what_outlives_the_drain_timeout(backend, make_worker):
     time.sleep(0.2)  # the late ack, refused
     assert hooks.processed_ == []
     assert pending(backend, q) == 1
+
+
+@pytest.mark.parametrize("how", ["stop", "process_due"])
+def test_a_handler_that_runs_on_through_a_stop_or_process_due_keeps_its_lease(
+    backend, make_worker, how
+):
+    """A handler longer than its lease, running while the worker drains (a graceful stop) or
+    inside ``process_due``: the heartbeat went with the stop request (and never ran for
+    ``process_due``), so its lease ran out, another worker ran the message beside it, and with
+    one attempt allowed the message died while its handler succeeded."""
+    retry = ExponentialBackoff(max_attempts=1, initial=timedelta(hours=1), jitter=0)
+    q: DelayedQueue[Any] = DelayedQueue("long-drain", lease=timedelta(seconds=1), retry=retry)
+    offer(backend, q, "m")
+    started = threading.Event()
+    ran: list[str] = []
+
+    def slow(env: Envelope[Any]) -> None:
+        ran.append("slow")
+        started.set()
+        time.sleep(2.5)  # two and a half leases
+
+    def other(env: Envelope[Any]) -> None:
+        ran.append("other")
+
+    hooks = RecordingHooks()
+    first = make_worker(backend, concurrency=1, poll_interval=0.05, listen=False, hooks=hooks)
+    first.register(q, slow)
+    second = make_worker(backend, concurrency=1, poll_interval=0.05, listen=False)
+    second.register(q, other)
+    if how == "stop":
+        first.start()
+        assert started.wait(10)
+        with running(second):
+            assert first.stop(drain_timeout=30) is True
+            time.sleep(0.3)
+    else:
+        done = threading.Thread(target=lambda: ran.append(f"due:{first.process_due(1)}"))
+        done.start()
+        assert started.wait(10)
+        with running(second):
+            done.join(30)
+            time.sleep(0.3)
+        assert ran[-1] == "due:1"
+    assert ran.count("slow") == 1 and "other" not in ran, ran
+    assert len(hooks.processed_) == 1
+    assert pending(backend, q) == 0  # acknowledged: neither run again nor dead
+
+
+def test_a_deadlock_a_transactional_handler_wraps_is_retried_not_fatal(mariadb, make_worker):
+    """InnoDB picks the handler's transaction as a deadlock victim and rolls all of it back (the
+    take too); the handler wraps the error in one of its own, as applications do. The savepoint
+    is gone, so the attempt cannot be recorded: the message is due again, uncounted, and the
+    worker goes on. It used to stop on the handler's own (non-transient) error."""
+    meta = sa.MetaData()
+    acct = sa.Table("deadlock_acct", meta, sa.Column("id", sa.Integer, primary_key=True))
+    heavy = sa.Table("deadlock_heavy", meta, sa.Column("id", sa.Integer, primary_key=True))
+    meta.create_all(mariadb.engine)
+    try:
+        with mariadb.engine.begin() as conn:
+            conn.execute(acct.insert(), [{"id": 1}, {"id": 2}])
+        q: DelayedQueue[Any] = DelayedQueue("deadlocked")
+        offer(mariadb, q, "m")
+        calls: list[int] = []
+        other_ready = threading.Event()
+
+        class AppError(Exception):
+            pass
+
+        def other() -> None:  # a transaction InnoDB spares (it wrote more rows)
+            with mariadb.engine.connect() as c:
+                c.begin()
+                c.execute(heavy.insert(), [{"id": i} for i in range(1, 301)])
+                c.execute(sa.text("UPDATE deadlock_acct SET id = id WHERE id = 2"))
+                other_ready.set()
+                time.sleep(0.3)
+                c.execute(sa.text("UPDATE deadlock_acct SET id = id WHERE id = 1"))
+                c.rollback()
+
+        def handler(env: Envelope[Any], session: Any) -> None:
+            calls.append(1)
+            if len(calls) > 1:
+                return
+            session.execute(sa.text("UPDATE deadlock_acct SET id = id WHERE id = 1"))
+            threading.Thread(target=other, daemon=True).start()
+            assert other_ready.wait(10)
+            try:
+                session.execute(sa.text("UPDATE deadlock_acct SET id = id WHERE id = 2"))
+            except sa.exc.OperationalError as exc:
+                raise AppError("could not update the account") from exc
+
+        worker = make_worker(mariadb, concurrency=1, poll_interval=0.05, listen=False)
+        worker.register(q, handler, mode="transactional")
+        with running(worker):
+            assert wait_for(lambda: len(calls) >= 2 and pending(mariadb, q) == 0, 30)
+        assert len(calls) == 2
+    finally:
+        meta.drop_all(mariadb.engine)
+
+
+def test_a_limited_transactional_take_whose_connection_dies_is_due_again_at_once(
+    server_backend, make_worker
+):
+    """A limited queue's transactional take is a lease committed apart. When the handler's
+    transaction is lost (its connection killed), the message must be due again at once and
+    uncounted, as for a plain transactional take, not held for a whole lease and then counted
+    as a lost attempt (dead at once with one attempt allowed, its handler never succeeding)."""
+    retry = ExponentialBackoff(max_attempts=1, initial=timedelta(hours=1), jitter=0)
+    q: DelayedQueue[Any] = DelayedQueue("limited-killed", lease=timedelta(minutes=5), retry=retry)
+    with server_backend.Session() as s, s.begin():
+        q.set_limits(s, max_in_flight=5)
+    offer(server_backend, q, "m")
+    calls: list[tuple[int, Delivery]] = []
+    pg = server_backend.name == "postgresql"
+
+    def handler(env: Envelope[Any], session: Any) -> None:
+        calls.append((env.attempt, env.delivery))
+        if len(calls) > 1:
+            return
+        me = session.execute(sa.text("SELECT pg_backend_pid()" if pg else "SELECT CONNECTION_ID()"))
+        pid = me.scalar_one()
+        with server_backend.engine.connect() as killer:
+            kill = f"SELECT pg_terminate_backend({pid})" if pg else f"KILL {pid}"
+            killer.execute(sa.text(kill))
+        time.sleep(0.2)
+
+    worker = make_worker(server_backend, concurrency=1, poll_interval=0.05, listen=False)
+    worker.register(q, handler, mode="transactional")
+    with running(worker):
+        assert wait_for(lambda: pending(server_backend, q) == 0, 30)
+    assert calls == [(1, Delivery.FIRST), (1, Delivery.FIRST)]
 
 
 # -- side tasks and extra hooks ---------------------------------------------------------------

@@ -27,7 +27,7 @@ import pyarrow.csv as pcsv  # type: ignore[import-untyped]
 from psycopg import sql
 
 from .._dialects import PostgreSQLStrategy
-from .._rules import FRESH, OFFER_RULES
+from .._rules import FRESH, HELD, OFFER_RULES
 from .._types import OfferMode
 from .._wakeup import payload as wake_payload
 from ..errors import InvalidArgument
@@ -83,6 +83,7 @@ def _mode_clause(mode: OfferMode, marked: bool) -> sql.Composable:
             *(
                 sql.SQL("{} = {}").format(sql.Identifier(c), sql.Literal(v))
                 for c, v in FRESH.items()
+                if c != "lock_token"  # below: an update of a message in flight holds it
             ),
         ]
     )
@@ -95,16 +96,28 @@ def _mode_clause(mode: OfferMode, marked: bool) -> sql.Composable:
             "t.scheduled_at_initially IS DISTINCT FROM EXCLUDED.scheduled_at_initially)"
         ).format(new_payload)
     # Unmarked, every staged row was offered without a time: only the payload can differ.
+    schedule: sql.Composable
     if rule.reschedules:
-        schedule = sql.SQL(
-            "scheduled_at = EXCLUDED.scheduled_at_initially, "
-            "scheduled_at_initially = EXCLUDED.scheduled_at_initially"
-        )
+        due = sql.SQL("EXCLUDED.scheduled_at_initially")
+        schedule = sql.SQL("scheduled_at_initially = EXCLUDED.scheduled_at_initially, ")
     else:  # a done or dead row gets the offered time, an in-flight one is due now
-        schedule = sql.SQL(
-            "scheduled_at = CASE WHEN t.status <> 'pending' THEN EXCLUDED.scheduled_at "
+        due = sql.SQL(
+            "CASE WHEN t.status <> 'pending' THEN EXCLUDED.scheduled_at "
             "WHEN t.lock_token IS NOT NULL THEN %(now)s::timestamptz ELSE t.scheduled_at END"
         )
+        schedule = sql.SQL("")
+    # In flight: held until the old delivery ends, as _rules.hold writes it (the token keeps
+    # the due time, in µs since the epoch, when the lease ends later).
+    held = sql.SQL(
+        "t.status = 'pending' AND t.lock_token IS NOT NULL "
+        "AND t.scheduled_at > %(now)s::timestamptz"
+    )
+    schedule += sql.SQL(
+        "scheduled_at = CASE WHEN {held} THEN GREATEST({due}, t.scheduled_at) ELSE {due} END, "
+        "lock_token = CASE WHEN {held} THEN {mark} || CASE WHEN {due} < t.scheduled_at "
+        "THEN (extract(epoch FROM {due}) * 1000000)::bigint::text ELSE '' END || {mark} "
+        "|| regexp_replace(t.lock_token, {old}, '') END"
+    ).format(held=held, due=due, mark=sql.Literal(HELD), old=sql.Literal(f"^{HELD}[0-9]*{HELD}"))
     return sql.SQL("DO UPDATE SET {}, {} WHERE {}").format(fresh, schedule, changed)
 
 
