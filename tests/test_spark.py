@@ -369,6 +369,42 @@ def test_spark_bad_rows_are_refused_naming_the_offending_key(
 
 
 @pytest.mark.parametrize("backend", ["postgresql", "sqlite"])
+def test_spark_unstorable_rows_are_refused_naming_their_key(
+    spark: SparkSession, pg: Backend, tmp_path: Path, backend: str
+) -> None:
+    """A NUL character in a key or payload text, and payloads that JSON refuses (NaN,
+    Infinity, a lone surrogate): an ``InvalidArgument`` naming the row's key, not a raw driver
+    or encoder error from inside a task; nothing of the partition is written."""
+    from sqla_delayedq import create_engine
+    from sqla_delayedq.models import metadata
+
+    url: Any = pg.url
+    if backend == "sqlite":
+        url = f"sqlite:///{tmp_path / 'unstorable.sqlite'}"
+        engine = create_engine(url)
+        metadata.create_all(engine)
+        engine.dispose()
+    good = spark.range(20, numPartitions=1).select(
+        F.concat(F.lit("good/"), F.col("id").cast("string")).alias("key"),
+        F.to_json(F.struct(F.col("id").alias("i"))).alias("payload"),
+    )
+    cases = [
+        ("user/\x00nul", "{}", r"key with a NUL character"),
+        ("user/raw-nul", '{"a": "x\x00y"}', r"NUL character \(key 'user/raw-nul'\)"),
+        ("user/nan", '{"a": NaN}', r"'user/nan'"),
+        ("user/inf", '{"a": Infinity}', r"'user/inf'"),
+        ("user/surrogate", '{"a": "\\ud800"}', r"'user/surrogate'"),
+    ]
+    for key, payload, match in cases:
+        bad = spark.createDataFrame([(key, payload)], "key string, payload string")
+        with pytest.raises(InvalidArgument, match=match):
+            offer_dataframe(good.union(bad).coalesce(1), url, "unstorable")
+    q: DelayedQueue[Any] = DelayedQueue("unstorable")
+    with create_engine(url).connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(q.table)).scalar_one() == 0
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "sqlite"])
 def test_spark_null_payloads_are_refused_not_buried_dead(
     spark: SparkSession, pg: Backend, tmp_path: Path, backend: str
 ) -> None:

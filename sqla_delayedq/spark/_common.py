@@ -284,6 +284,14 @@ def _check_names(
             f"every message needs a {what}"
             + (" (a generated key would defeat idempotent retries)" if what == "key" else "")
         )
+    nul = pc.match_substring(column, "\x00")
+    if pc.any(nul).as_py():
+        i = pc.index(nul, True).as_py()
+        where = "" if what == "key" else f" (key {_shown(key[i].as_py())})"
+        raise InvalidArgument(
+            f"partition {partition} has a {what} with a NUL character{where}: "
+            f"{_shown(column[i].as_py())}; no backend can store it portably"
+        )
     lengths = pc.utf8_length(column)
     bounds = pc.min_max(lengths).as_py()
     if bounds["min"] == 0 or bounds["max"] > limit:
@@ -306,6 +314,13 @@ def _check_payloads(payload: pa.Array, partition: int, key: pa.Array) -> None:
     """
     if not len(payload):
         return
+    nul = pc.fill_null(pc.match_substring(payload, "\x00"), False)
+    if pc.any(nul).as_py():
+        i = pc.index(nul, True).as_py()
+        raise InvalidArgument(
+            f"partition {partition} has a payload with a raw NUL character (key "
+            f"{_shown(key[i].as_py())}); it is not JSON"
+        )
     null = pc.fill_null(pc.equal(pc.utf8_trim_whitespace(payload), "null"), True)
     count = pc.sum(null).as_py() or 0
     if count:

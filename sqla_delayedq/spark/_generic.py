@@ -17,6 +17,7 @@ import pyarrow as pa  # type: ignore[import-untyped]
 from sqlalchemy import MetaData, Table, select
 from sqlalchemy.orm import DeclarativeBase, Session
 
+from .._codec import Codec
 from .._queue import DelayedQueue
 from .._types import Outcome
 from ..errors import InvalidArgument
@@ -84,11 +85,23 @@ def write_partition(
     return total
 
 
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
 def _payload(key: str, text: str) -> Any:
-    try:
-        return json.loads(text)
+    try:  # NaN / Infinity are not JSON: refuse them here, naming the row, as PostgreSQL does
+        value = json.loads(text, parse_constant=_reject_constant)
     except ValueError as exc:
         raise InvalidArgument(f"the payload of key {key!r} is not JSON: {exc}") from None
+    try:
+        _CODEC.serialize(value)  # NUL, lone surrogates: what offer refuses, with the key
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"the payload of key {key!r} cannot be stored: {exc}") from None
+    return value
+
+
+_CODEC: Codec[Any] = Codec(JsonSerializer())
 
 
 @functools.cache

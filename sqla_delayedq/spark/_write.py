@@ -355,7 +355,7 @@ class OfferCall:
         )
 
 
-_REFUSAL = re.compile(r"sqla_delayedq\.errors\.InvalidArgument: (.+)")
+_REFUSAL = re.compile(r"sqla_delayedq\.errors\.(?:InvalidArgument|EncodeError): (.+)")
 
 
 def executor_refusal(exc: BaseException) -> str | None:
