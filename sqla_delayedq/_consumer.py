@@ -905,6 +905,7 @@ class BaseWorker(Generic[S]):
                         reg.source.name,
                         exc,
                     )
+                return self._settle(reg, envs[0], "ack", envs, after_failure=True) or 0, None
         return self._settle(reg, envs[0], "ack", envs) or 0, None
 
     @staticmethod
@@ -920,8 +921,19 @@ class BaseWorker(Generic[S]):
             log_failure(reg.source.name, env.key, env.attempt, error, outcome)
             self.hooks.failed(reg.source.name, env, error, outcome or NackOutcome.STALE)
 
-    def _settle(self, reg: Registration, env: Envelope[Any], what: str, arg: Any = None) -> Any:
-        """Settle in a transaction of its own, retrying transient errors up to the lease."""
+    def _settle(
+        self,
+        reg: Registration,
+        env: Envelope[Any],
+        what: str,
+        arg: Any = None,
+        *,
+        after_failure: bool = False,
+    ) -> Any:
+        """Settle in a transaction of its own, retrying transient errors up to the lease.
+
+        ``after_failure``: a transaction that held this settle already failed (its commit may
+        have happened, the connection lost before the reply)."""
         source = reg.source
         ops: dict[str, Callable[[Session], Any]] = {
             "ack": lambda s: self._acknowledge(s, reg, arg),
@@ -934,11 +946,27 @@ class BaseWorker(Generic[S]):
         while True:
             try:
                 with self.rt.session() as s, s.begin():
-                    return op(s)
+                    result = op(s)
+                if after_failure and (
+                    result is NackOutcome.STALE or result is False or result == 0
+                ):
+                    # Refused by its token: a lost lease, or the failed try did commit and only
+                    # its reply was lost. Say so, rather than report what may be a death or an
+                    # acknowledgement as "not recorded".
+                    log.error(
+                        "the %s of %s/%s was refused after a try whose outcome is unknown (the "
+                        "connection was lost, perhaps after its commit): the message may be %s",
+                        what,
+                        source.name,
+                        env.key,
+                        self._intended(reg, env, what),
+                    )
+                return result
             except Exception as exc:
                 if not retryable(exc):
                     self._fail(exc, f"the {what} of {source.name}/{env.key}")
                     return None
+                after_failure = True
                 self._db_error(exc)
                 if time.monotonic() > deadline:
                     log.error(
@@ -950,6 +978,18 @@ class BaseWorker(Generic[S]):
                     return None
                 self.rt.sleep(delay)
                 delay = min(delay * 2, 2.0)
+
+    @staticmethod
+    def _intended(reg: Registration, env: Envelope[Any], what: str) -> str:
+        """What a settle that may have committed did to the message, for the log."""
+        if what == "ack":
+            return "acknowledged (its handler succeeded)"
+        if what == "release":
+            return "released"
+        policy = reg.source.retry_policy
+        if env.attempt >= policy.max_attempts:
+            return f"dead (attempt {env.attempt} of {policy.max_attempts} failed)"
+        return "rescheduled for a retry"
 
     def _transactional_once(self, reg: Registration) -> Taken:
         """Take, handle and acknowledge in one transaction (the source's ``process_one``)."""

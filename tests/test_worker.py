@@ -1248,6 +1248,41 @@ def test_a_limited_transactional_take_whose_connection_dies_is_due_again_at_once
     assert calls == [(1, Delivery.FIRST), (1, Delivery.FIRST)]
 
 
+def test_a_settle_whose_commit_reply_was_lost_says_what_the_message_may_be(
+    backend, make_worker, caplog
+):
+    """A handler fails for good (one attempt allowed); the settle that buries the message
+    commits, but its reply is lost (injected after the commit), so the settle runs again and is
+    refused by its token. That was logged as a failure "not recorded" (a warning), while the
+    message was dead: now an error says the outcome is unknown and that it may be dead."""
+    retry = ExponentialBackoff(max_attempts=1, initial=timedelta(hours=1), jitter=0)
+    q: DelayedQueue[Any] = DelayedQueue("lost-reply", retry=retry)
+    offer(backend, q, "m")
+    armed: list[bool] = []
+
+    def lose_the_reply(session: Session) -> None:
+        if armed and armed.pop():
+            raise TransientError("injected: the connection was lost after COMMIT")
+
+    def handler(env: Envelope[Any]) -> None:
+        armed.append(True)  # the next commit is this failure's settle
+        raise ValueError("permanent failure")
+
+    sa.event.listen(Session, "after_commit", lose_the_reply)
+    try:
+        worker = make_worker(backend, concurrency=1, poll_interval=0.05, listen=False)
+        worker.register(q, handler)
+        with caplog.at_level("WARNING", logger="sqla_delayedq"), running(worker):
+            assert wait_for(lambda: "outcome is unknown" in caplog.text, 30)
+    finally:
+        sa.event.remove(Session, "after_commit", lose_the_reply)
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any("may be dead (attempt 1 of 1 failed)" in m for m in errors), errors
+    with backend.Session() as s:
+        info = q.get(s, "m")
+    assert info is not None and info.state is State.DEAD
+
+
 # -- side tasks and extra hooks ---------------------------------------------------------------
 
 
