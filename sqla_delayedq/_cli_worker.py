@@ -21,9 +21,11 @@ The worker is recorded in the dashboard's workers registry and per-minute counte
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, cast
 
@@ -190,21 +192,33 @@ def _unreachable(exc: Exception) -> bool:
     return True
 
 
+def _problem(conn: Any, tables: list[Table]) -> str | None:
+    """The first table that is missing or is not a message table, as advice (None: all fine)."""
+    for t in tables:
+        problem = table_problem(conn, t, from_app=True)
+        if problem is not None:
+            return problem
+    return None
+
+
+@contextlib.contextmanager
+def _unless_unreachable() -> Iterator[None]:
+    try:
+        yield
+    except Exception as exc:
+        if not _unreachable(exc):
+            raise
+
+
 def check_tables(bind: Any, tables: list[Table]) -> None:
     """Before running: each table exists and is a message table (advice when not)."""
     if not isinstance(bind, Engine):
         return  # a sessionmaker without one engine: the worker finds out itself
-    try:
-        with bind.connect() as conn:
-            for t in tables:
-                problem = table_problem(conn, t, from_app=True)
-                if problem is not None:
-                    raise RuntimeFailure(problem)
-    except RuntimeFailure:
-        raise
-    except Exception as exc:
-        if not _unreachable(exc):
-            raise
+    problem = None
+    with _unless_unreachable(), bind.connect() as conn:
+        problem = _problem(conn, tables)
+    if problem is not None:
+        raise RuntimeFailure(problem)
 
 
 async def check_tables_async(bind: Any, tables: list[Table]) -> None:
@@ -213,17 +227,12 @@ async def check_tables_async(bind: Any, tables: list[Table]) -> None:
 
     if not isinstance(bind, AsyncEngine):
         return
-    try:
+    problem = None
+    with _unless_unreachable():
         async with bind.connect() as conn:
-            for t in tables:
-                problem = await conn.run_sync(table_problem, t, from_app=True)
-                if problem is not None:
-                    raise RuntimeFailure(problem)
-    except RuntimeFailure:
-        raise
-    except Exception as exc:
-        if not _unreachable(exc):
-            raise
+            problem = await conn.run_sync(_problem, tables)
+    if problem is not None:
+        raise RuntimeFailure(problem)
 
 
 def monitor(worker: Any, heartbeat: float, no_monitor: bool) -> None:
