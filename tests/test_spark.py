@@ -25,7 +25,7 @@ pytest.importorskip("pyarrow")
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from sqla_delayedq import DelayedQueue, InvalidArgument
+from sqla_delayedq import DelayedQueue, InvalidArgument, create_engine
 from sqla_delayedq.spark import OfferCounts, offer_dataframe, read_queue
 from sqla_delayedq.spark._common import connect_spec, is_utc_zone
 from sqla_delayedq.spark._datasource import ReadTask
@@ -69,6 +69,27 @@ def reminders(spark: SparkSession, n: int, partitions: int = 4) -> DataFrame:
             F.struct(F.col("id").alias("user_id"), F.lit("drink water").alias("text")),
         )
         .withColumn("due", F.timestamp_micros(F.lit(BASE_US) + F.col("id") * 7919 + 1))
+    )
+
+
+def target_url(backend: str, pg: Backend, sqlite_file: Path) -> Any:
+    """PostgreSQL's test database, or a SQLite file with the queue table created."""
+    if backend != "sqlite":
+        return pg.url
+    from sqla_delayedq.models import metadata
+
+    url = f"sqlite:///{sqlite_file}"
+    engine = create_engine(url)
+    metadata.create_all(engine)
+    engine.dispose()
+    return url
+
+
+def good_rows(spark: SparkSession, n: int) -> DataFrame:
+    """``n`` valid rows in one partition: keys ``good/<i>``, payloads ``{"i": i}``."""
+    return spark.range(n, numPartitions=1).select(
+        F.concat(F.lit("good/"), F.col("id").cast("string")).alias("key"),
+        F.to_json(F.struct(F.col("id").alias("i"))).alias("payload"),
     )
 
 
@@ -375,19 +396,8 @@ def test_spark_unstorable_rows_are_refused_naming_their_key(
     """A NUL character in a key or payload text, and payloads that JSON refuses (NaN,
     Infinity, a lone surrogate): an ``InvalidArgument`` naming the row's key, not a raw driver
     or encoder error from inside a task; nothing of the partition is written."""
-    from sqla_delayedq import create_engine
-    from sqla_delayedq.models import metadata
-
-    url: Any = pg.url
-    if backend == "sqlite":
-        url = f"sqlite:///{tmp_path / 'unstorable.sqlite'}"
-        engine = create_engine(url)
-        metadata.create_all(engine)
-        engine.dispose()
-    good = spark.range(20, numPartitions=1).select(
-        F.concat(F.lit("good/"), F.col("id").cast("string")).alias("key"),
-        F.to_json(F.struct(F.col("id").alias("i"))).alias("payload"),
-    )
+    url = target_url(backend, pg, tmp_path / "unstorable.sqlite")
+    good = good_rows(spark, 20)
     cases = [
         ("user/\x00nul", "{}", r"key with a NUL character"),
         ("user/raw-nul", '{"a": "x\x00y"}', r"NUL character \(key 'user/raw-nul'\)"),
@@ -413,19 +423,8 @@ def test_spark_null_payloads_are_refused_not_buried_dead(
     Written, it would read back like a missing payload: the row's first take would bury it
     dead without its handler running.
     """
-    from sqla_delayedq import create_engine
-    from sqla_delayedq.models import metadata
-
-    url: Any = pg.url
-    if backend == "sqlite":
-        url = f"sqlite:///{tmp_path / 'nulls.sqlite'}"
-        engine = create_engine(url)
-        metadata.create_all(engine)
-        engine.dispose()
-    good = spark.range(50, numPartitions=1).select(
-        F.concat(F.lit("good/"), F.col("id").cast("string")).alias("key"),
-        F.to_json(F.struct(F.col("id").alias("i"))).alias("payload"),
-    )
+    url = target_url(backend, pg, tmp_path / "nulls.sqlite")
+    good = good_rows(spark, 50)
     for payload in (None, "null", " null\n"):
         bad = spark.createDataFrame([("user/empty", payload)], "key string, payload string")
         with pytest.raises(InvalidArgument, match=r"1 row with a null payload .*'user/empty'"):
