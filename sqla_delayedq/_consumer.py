@@ -309,6 +309,10 @@ class Taken(NamedTuple):
     chainable: bool = False
 
 
+#: What :meth:`BaseWorker._handle` returns after a failed attempt (nacked, to be retried).
+FAILED: Any = ([], Taken(0, True, None))
+
+
 def _after_groups(taken: Taken, handled: list[Envelope[Any]]) -> Taken:
     """A take, once its messages are settled: settling a message of a group may have made the
     next message of that group due (it waited behind it), so the consumer takes again at once
@@ -811,6 +815,7 @@ class BaseWorker(Generic[S]):
         size = reg.batch or self.batch_size
         envs, taken = self._take(reg, size)
         handled = 0
+        failed = False
         while envs:
             handled += len(envs)
             self._in_flight.add(reg, *envs)
@@ -818,6 +823,7 @@ class BaseWorker(Generic[S]):
             if reg.batch is not None:
                 self._observe(reg, *envs)
                 after = self._handle(reg, envs, list(envs), then)  # its own list to change
+                failed = failed or after is FAILED
             else:
                 after = None
                 for i, env in enumerate(envs):
@@ -828,9 +834,14 @@ class BaseWorker(Generic[S]):
                         break
                     self._observe(reg, env)
                     after = self._handle(reg, [env], env, then if i == len(envs) - 1 else 0)
-            if after is None:
+                    failed = failed or after is FAILED
+            if after is None or after is FAILED:
                 break
             envs, taken = after
+        if failed and not taken.more:
+            # A nack rescheduled a message after the take read when the queue's next row is
+            # due: look again (as a transactional failure does), not a poll interval later.
+            taken = Taken(taken.handled, True, None)
         return _after_groups(taken._replace(handled=handled), envs)
 
     def _handle(
@@ -848,6 +859,7 @@ class BaseWorker(Generic[S]):
             self.rt.call(reg.handler, arg)
         except Exception as exc:
             self._failed(reg, envs, exc)
+            after = FAILED
         except BaseException as exc:
             if self.rt.stopping and is_cancellation(exc):
                 raise  # the drain's cancel: still in flight, the stop releases them

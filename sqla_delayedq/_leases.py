@@ -35,6 +35,7 @@ from ._handlers import run_in_savepoint
 from ._rules import after_failure, held_parts, hold, lease_exhausted, lost_lease_error
 from ._time import Clock, require_aware, require_duration
 from ._types import Envelope, NackOutcome
+from ._wakeup import announce
 from .errors import DecodeError, InvalidArgument
 from .retry import RetryPolicy
 
@@ -105,6 +106,8 @@ class LeasedQueue(abc.ABC, Generic[T]):
     clock: Clock
     #: How messages sharing a group key are ordered (None: no groups; an entity queue has none).
     grouping: st.Grouping = None
+    #: Whether a row that becomes due wakes idle consumers (a message queue's ``notify``).
+    notify: bool = True
 
     def _init_leases(self) -> None:
         self._settles: dict[str, Any] = {}
@@ -393,6 +396,10 @@ class LeasedQueue(abc.ABC, Generic[T]):
         at = params["s_at"] if name == "release" else None
         ends = max(due, at or self.now())
         session.execute(st.set_held(shape, row_id, held_token, None, ends))
+        if self.notify:
+            # The new version is due now (or at its own time), sooner than the lease's end that
+            # idle consumers read: wake one on commit, as the offer that updated it did.
+            announce(session, strategy_for(session), self.wake_key, self.name, 1)
         return False
 
     def _mirror(self, payload: Any, values: dict[Any, Any]) -> None:

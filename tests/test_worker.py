@@ -1283,6 +1283,64 @@ def test_a_settle_whose_commit_reply_was_lost_says_what_the_message_may_be(
     assert info is not None and info.state is State.DEAD
 
 
+@pytest.mark.parametrize("shape", ["single", "batch"])
+def test_a_failed_lease_mode_attempt_is_retried_after_its_delay_not_a_poll_interval(
+    backend, make_worker, shape
+):
+    """The consumer used what its take had read of the queue's next due row, before the nack
+    moved the failed message to its retry time: it slept a whole poll interval (5 s by
+    default) past a 1 s retry. It now looks again after a failure, as transactional mode
+    does. (Two consumers: the other's wake-up cannot hide it.)"""
+    retry = ExponentialBackoff(max_attempts=3, initial=timedelta(milliseconds=300), jitter=0)
+    q: DelayedQueue[Any] = DelayedQueue("retried-soon", retry=retry)
+    times: list[float] = []
+
+    def handle(attempt: int) -> None:
+        times.append(time.monotonic())
+        if attempt == 1:
+            raise RuntimeError("the first attempt fails")
+
+    worker = make_worker(backend, concurrency=2, poll_interval=4.0, listen=False)
+    if shape == "batch":
+        worker.register_batch(q, lambda envs: handle(envs[0].attempt), batch_size=10)
+    else:
+        worker.register(q, lambda env: handle(env.attempt))
+    with running(worker):
+        time.sleep(0.3)  # both consumers idle
+        offer(backend, q, "k")
+        assert wait_for(lambda: len(times) >= 2, 15)
+    assert times[1] - times[0] < 2.0, times  # the 0.3 s retry, far from the 4 s poll
+
+
+def test_a_message_updated_in_flight_starts_as_soon_as_the_old_delivery_ends(backend, make_worker):
+    """The old delivery's ack ends the hold: the new version is due at once, and an idle
+    consumer, which read the old lease's end as the next due time, is woken for it."""
+    q: DelayedQueue[Any] = DelayedQueue("held-then-due", lease=timedelta(seconds=30))
+    events: list[tuple[str, int, float]] = []
+    updated = threading.Event()
+
+    def handler(env: Envelope[Any]) -> None:
+        v = env.payload["v"]
+        events.append(("start", v, time.monotonic()))
+        if v == 1:
+            assert updated.wait(10)
+            time.sleep(0.5)  # the idle consumer polls meanwhile: held
+        events.append(("end", v, time.monotonic()))
+
+    worker = make_worker(backend, concurrency=2, poll_interval=4.0, listen=False)
+    worker.register(q, handler)
+    with running(worker):
+        time.sleep(0.3)
+        offer(backend, q, "k", {"v": 1})
+        assert wait_for(lambda: len(events) >= 1, 10)
+        offer(backend, q, "k", {"v": 2})
+        updated.set()
+        assert wait_for(lambda: len(events) >= 4, 15)
+    (_, _, old_end), (_, _, new_start) = events[1], events[2]
+    assert [e[:2] for e in events] == [("start", 1), ("end", 1), ("start", 2), ("end", 2)]
+    assert new_start - old_end < 2.0, events  # not a 4 s poll later
+
+
 # -- side tasks and extra hooks ---------------------------------------------------------------
 
 
