@@ -49,7 +49,7 @@ from sqlalchemy.sql import ColumnElement, Insert
 
 from . import _statements as st
 from ._engine import Family, family, is_mariadb
-from ._rules import INSERT_COLUMNS, lost_token
+from ._rules import INSERT_COLUMNS, held_due, lost_token
 from ._statements import P, Shape
 from ._wakeup import Wake, payload_tail
 from ._wakeup import parse as parse_wake
@@ -118,6 +118,8 @@ class Claimed:
     row: Any
     prev_token: str | None
     prev_scheduled_at: datetime
+    #: The new version's own time, when the row was held for an old delivery (_rules.hold).
+    prev_held: datetime | None = None
 
 
 class Claims(NamedTuple):
@@ -353,7 +355,12 @@ class Strategy(abc.ABC):
         ids = [r.id for r in picked]
         taken = self.take_picked(session, st.message_shape(t), ids, now, lease_until, prefix)
         claimed = [
-            Claimed(_taken(r, lease_until, prefix), lost_token(r.lock_token), r.scheduled_at)
+            Claimed(
+                _taken(r, lease_until, prefix),
+                lost_token(r.lock_token),
+                r.scheduled_at,
+                held_due(r.lock_token),
+            )
             for r in picked
             if r.id in taken
         ]
@@ -583,7 +590,10 @@ class PostgreSQLStrategy(Strategy):
             ),
         )
         rows = session.execute(stmt, P.take(queue, now, lease_until, limit, prefix)).all()
-        claimed = [Claimed(r, lost_token(r.prev_token), r.prev_scheduled_at) for r in rows]
+        claimed = [
+            Claimed(r, lost_token(r.prev_token), r.prev_scheduled_at, held_due(r.prev_token))
+            for r in rows
+        ]
         claimed.sort(key=lambda c: (-c.row.priority, c.prev_scheduled_at, c.row.id))
         more = bool(rows) and rows[0].picked > limit
         if ahead and rows and not more:

@@ -244,6 +244,11 @@ class LeasedQueue(abc.ABC, Generic[T]):
 
     def _deliver(self, session: Session, claimed: Claimed, now: datetime) -> Envelope[T] | None:
         row = claimed.row
+        if claimed.prev_held is not None and claimed.prev_held > now:
+            # A hold that ended with the old lease (its consumer died) before the new version's
+            # own time: the row is due at that time, not delivered now (no attempt counted).
+            self._settle(session, "release", row.id, row.lock_token, s_at=claimed.prev_held)
+            return None
         if lease_exhausted(claimed.prev_token, row.attempts, self.retry_policy):
             error = lost_lease_error(row.attempts)
             self._bury(session, row.id, row.lock_token, row.attempts, error, now)

@@ -22,7 +22,7 @@ from ._dialects import Claimed, Claims, Strategy, strategy_for, transient_as_our
 from ._handlers import run_in_savepoint
 from ._leases import UNSEEN, Ahead, LeasedQueue, Processed, check_count, leases_apart
 from ._offers import OfferInput
-from ._rules import after_failure, check_priority, lost_token
+from ._rules import after_failure, check_priority, held_due, lost_token
 from ._time import Clock, require_aware, require_duration, system_clock
 from ._types import Delivery, Envelope, NackOutcome, OfferMode, OfferResult, Outcome, built
 from .errors import DecodeError, InvalidArgument
@@ -398,7 +398,14 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         return taken
 
     def _consumed(self, session: Session, row: Any, now: datetime) -> Envelope[T] | None:
-        """The envelope of a consumed row; an undecodable row is put back as dead instead."""
+        """The envelope of a consumed row; an undecodable row is put back as dead instead, and
+        one whose hold ended with the old lease before its own time is put back due then."""
+        held = held_due(row.lock_token)
+        if held is not None and held > now:
+            values = {c: verbatim(getattr(row, c)) for c in st.TAKE_COLUMNS}
+            values |= {"lock_token": None, "scheduled_at": held, "status": "pending"}
+            session.execute(self.table.insert().values(values))
+            return None
         try:
             payload = self.codec.decode(row)
         except DecodeError as exc:
@@ -510,6 +517,9 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         found = session.execute(
             select(t.c.payload_type, t.c.payload, t.c.payload_bytes).where(*guard).with_for_update()
         ).first()
+        if found is None and envelope.lock_token:
+            # An offer updated it since: held for this delivery, which ends here (as a nack).
+            self._settle_held(session, "nack", envelope.id, envelope.lock_token, {})
         if found is None or not self.codec.same(found, self.codec.values(envelope.payload)):
             return NackOutcome.STALE
         values: dict[str, Any] = {

@@ -26,6 +26,7 @@ __all__ = [
     "OfferRule",
     "after_failure",
     "check_priority",
+    "held_due",
     "held_parts",
     "hold",
     "lease_exhausted",
@@ -141,6 +142,10 @@ def offer_changes(
         changes = {**payload, **FRESH, "scheduled_at": when, "scheduled_at_initially": when}
     elif row.status != "pending":
         changes = {**payload, **FRESH, "scheduled_at": at or now}
+    elif (held := held_parts(row.lock_token)) is not None:
+        # Held for an old delivery: the schedule to keep is the held version's own time.
+        kept = held[0] if held[0] is not None else row.scheduled_at
+        changes = {**payload, **FRESH, "scheduled_at": kept}
     elif row.lock_token is not None:
         changes = {**payload, **FRESH, "scheduled_at": now}
     else:
@@ -166,22 +171,17 @@ def hold(token: str, lease_end: datetime, due: datetime) -> tuple[str, datetime]
 
     The old handler is still running: the new version must not start beside it (its group
     would have two messages in flight, an in-flight limit one too many), nor may the old
-    delivery settle it. So the row stays in flight under a token nobody holds, which carries
-    the old one: the old consumer's ack, failure or release then ends the hold (the new
-    version is due at ``due``, or at once if that passed), its heartbeat lengthens it, and if
-    it dies the hold ends with its lease. Until then the row is due at the later of ``due`` and
-    the lease's end; the token keeps ``due`` when the lease ends later. Its next take is a first
-    delivery, no lost attempt.
-
-    An update of a message already held keeps its old token; its hold ends no earlier than the
-    row's current due time (a first update's later ``due`` may then hold a second one longer,
-    up to that time, if the old consumer dies).
+    delivery settle it. So the row stays in flight until the old lease's end, under a token
+    nobody holds that carries the new version's own time (µs since the epoch; a time before
+    it counts as the epoch: at once either way) and the old token. The old consumer's ack,
+    failure or release ends the hold (the new version is due at ``due``, or at once if that
+    passed); its heartbeat lengthens it; if it dies the hold ends with its lease, and a take
+    that finds the row before ``due`` gives it back to that time, undelivered. Its next take is
+    a first delivery, no lost attempt. An update of a message already held keeps the old token.
     """
     parts = held_parts(token)
     old = token if parts is None else parts[1]
-    if due >= lease_end:
-        return f"{HELD}{HELD}{old}", due
-    return f"{HELD}{(due - _EPOCH) // _MICRO}{HELD}{old}", lease_end
+    return f"{HELD}{(max(due, _EPOCH) - _EPOCH) // _MICRO}{HELD}{old}", lease_end
 
 
 def held_parts(token: str | None) -> tuple[datetime | None, str] | None:
@@ -189,9 +189,15 @@ def held_parts(token: str | None) -> tuple[datetime | None, str] | None:
     if token is None or not token.startswith(HELD):
         return None
     stamp, sep, old = token[1:].partition(HELD)
-    if not sep or not (stamp == "" or stamp.isdigit()):
+    if not sep or not (stamp == "" or stamp.lstrip("-").isdigit()):
         return None
     return (_EPOCH + int(stamp) * _MICRO if stamp else None), old
+
+
+def held_due(token: str | None) -> datetime | None:
+    """The due time a held token keeps (None: not held, or it keeps none)."""
+    parts = held_parts(token)
+    return None if parts is None else parts[0]
 
 
 def lost_token(token: str | None) -> str | None:

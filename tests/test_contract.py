@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
-from typing import cast
+from datetime import datetime, timedelta, timezone
+from typing import Any, cast
 
 import pytest
 import sqlalchemy as sa
@@ -703,15 +703,127 @@ def test_an_update_in_flight_keeps_its_own_later_time(backend, make_queue, clock
             assert not q.ack(s, taken["late"]) and not q.ack(s, taken["soon"])
             assert q.get(s, "soon").scheduled_at == t0 + timedelta(seconds=10)  # at once
             assert q.get(s, "late").scheduled_at == t0 + timedelta(minutes=10)
-    else:
+    else:  # the old consumer died: both held to the end of its lease
         with backend.Session() as s, s.begin():
-            assert q.get(s, "soon").scheduled_at == t0 + timedelta(seconds=30)  # the lease
-            assert q.get(s, "late").scheduled_at == t0 + timedelta(minutes=10)
+            for key in ("soon", "late"):
+                info = q.get(s, key)
+                assert info.state is State.IN_FLIGHT
+                assert info.scheduled_at == t0 + timedelta(seconds=30)
         clock.advance(timedelta(seconds=30))
     with backend.Session() as s, s.begin():
-        [soon] = q.try_poll_many(s, 5)
+        [soon] = q.try_poll_many(s, 5)  # "late" is not delivered before its own time...
         assert soon.key == "soon" and q.ack(s, soon)
+        late_info = q.get(s, "late")  # ... but given back to it, a plain scheduled message
+        assert late_info.state is State.SCHEDULED and late_info.lock_token is None
+        assert late_info.scheduled_at == t0 + timedelta(minutes=10)
     clock.set(t0 + timedelta(minutes=10))
     with backend.Session() as s, s.begin():
         [late] = q.try_poll_many(s, 5)
         assert late.key == "late" and late.delivery is Delivery.FIRST
+
+
+@pytest.mark.parametrize("way", ["try_poll_many", "consume"])
+def test_a_hold_whose_consumer_died_ends_with_its_lease_for_the_group_and_the_limit(
+    backend, make_queue, clock, way
+):
+    """Updated in flight to a time an hour away, and its old consumer dies: the message counted
+    as in flight (its group blocked, its slot of the in-flight limit used) for the whole hour.
+    The hold ends with the old lease; the new version still waits for its own time."""
+    groups = make_queue(name="held-group", groups=True, lease=timedelta(seconds=30))
+    limited = make_queue(name="held-limited", lease=timedelta(seconds=30))
+    t0 = clock()
+    with backend.Session() as s, s.begin():
+        limited.set_limits(s, max_in_flight=1)
+        groups.offer(s, "a1", {"v": 1}, t0 - timedelta(seconds=2), group="A")
+        groups.offer(s, "a2", {"v": 1}, t0 - timedelta(seconds=1), group="A")
+        limited.offer(s, "m1", {"v": 1}, t0 - timedelta(seconds=2))
+        limited.offer(s, "m2", {"v": 1}, t0 - timedelta(seconds=1))
+    with backend.Session() as s, s.begin():
+        assert [e.key for e in groups.try_poll_many(s, 5)] == ["a1"]
+        assert [e.key for e in limited.try_poll_many(s, 5)] == ["m1"]
+    with backend.Session() as s, s.begin():
+        groups.offer(s, "a1", {"v": 2}, t0 + timedelta(hours=1))
+        limited.offer(s, "m1", {"v": 2}, t0 + timedelta(hours=1))
+    clock.advance(timedelta(seconds=31))  # the old consumer never settled: its lease ended
+
+    def take(s: Any, q: Any) -> list[str]:
+        envs = q.consume(s, 5) if way == "consume" else q.try_poll_many(s, 5)
+        if way != "consume":
+            q.ack_many(s, envs)
+        return [e.key for e in envs]
+
+    for q, key in ((groups, "a2"), (limited, "m2")):  # each in a transaction of its own
+        with backend.Session() as s, s.begin():
+            assert take(s, q) == [key]
+        with backend.Session() as s, s.begin():  # not before their own time: given back to it
+            assert take(s, q) == []
+    with backend.Session() as s, s.begin():
+        for q, key in ((groups, "a1"), (limited, "m1")):
+            info = q.get(s, key)
+            assert info.state is State.SCHEDULED and info.scheduled_at == t0 + timedelta(hours=1)
+    clock.set(t0 + timedelta(hours=1))
+    with backend.Session() as s, s.begin():
+        [a1] = groups.try_poll_many(s, 5)
+        assert a1.key == "a1" and a1.payload == {"v": 2} and a1.delivery is Delivery.FIRST
+
+
+def test_keep_schedule_on_a_held_message_keeps_the_held_version_s_time(backend, make_queue, clock):
+    """REPLACE at +10 min while in flight, then KEEP_SCHEDULE with a new payload: the message
+    keeps +10 min, as it would had it never been in flight (it ran at once instead)."""
+    q = make_queue(lease=timedelta(seconds=30))
+    t0 = clock()
+    with backend.Session() as s, s.begin():
+        q.offer(s, "k", {"v": 1})
+    with backend.Session() as s, s.begin():
+        old = q.try_poll(s)
+    with backend.Session() as s, s.begin():
+        q.offer(s, "k", {"v": 2}, t0 + timedelta(minutes=10))
+        q.offer(s, "k", {"v": 3}, mode=OfferMode.KEEP_SCHEDULE)
+    with backend.Session() as s, s.begin():
+        assert not q.ack(s, old)  # ends the hold
+        assert q.get(s, "k").scheduled_at == t0 + timedelta(minutes=10)
+        assert q.try_poll(s) is None
+
+
+def test_a_hold_for_a_time_before_the_epoch_still_holds(backend, make_queue, clock):
+    """An update asking for a time before 1970 ("as early as possible"): the hold must still
+    follow the old delivery (its heartbeat lengthens it, its ack ends it), and updating it again
+    must not outgrow the lock token column."""
+    q = make_queue(lease=timedelta(seconds=30))
+    with backend.Session() as s, s.begin():
+        q.offer(s, "k", {"v": 1})
+    with backend.Session() as s, s.begin():
+        old = q.try_poll(s)
+    early = datetime(1900, 1, 1, tzinfo=timezone.utc)
+    with backend.Session() as s, s.begin():
+        q.offer(s, "k", {"v": 2}, early)
+        q.offer(s, "k", {"v": 3}, early + timedelta(days=1))
+    with backend.Session() as s, s.begin():
+        assert q.extend(s, old, timedelta(seconds=60)) is not None
+    clock.advance(timedelta(seconds=40))
+    with backend.Session() as s, s.begin():
+        assert q.try_poll(s) is None  # still held for the old delivery
+        assert not q.ack(s, old)
+    with backend.Session() as s, s.begin():
+        new = q.try_poll(s)
+        assert new is not None and new.payload == {"v": 3}
+
+
+def test_record_failure_ends_a_hold_on_a_limited_consume(backend, make_queue, clock):
+    """A limited queue's consume leases apart; the caller rolls back, an offer updates the
+    message meanwhile (held for that delivery); record_failure then finds no row of its own and
+    says STALE, but it must end the hold, not leave the new version waiting out the lease."""
+    q = make_queue(lease=timedelta(minutes=5))
+    with backend.Session() as s, s.begin():
+        q.set_limits(s, max_in_flight=5)
+        q.offer(s, "k", {"v": 1})
+    with pytest.raises(RuntimeError), backend.Session() as s, s.begin():
+        (env,) = q.consume(s)
+        raise RuntimeError("the handler failed: rolled back")
+    with backend.Session() as s, s.begin():
+        q.offer(s, "k", {"v": 2})
+    with backend.Session() as s, s.begin():
+        assert q.record_failure(s, env, "boom") is NackOutcome.STALE
+    with backend.Session() as s, s.begin():
+        [new] = q.try_poll_many(s, 5)
+        assert new.payload == {"v": 2} and new.delivery is Delivery.FIRST

@@ -238,25 +238,30 @@ def test_spark_an_update_of_a_message_in_flight_is_held_as_offer_holds_it(
     )
     replace = offer_dataframe(df.where("key <> 'keep'"), pg.url, "held", scheduled_at="due")
     assert (keep.updated, replace.updated) == (1, 2)
+    # KEEP_SCHEDULE over a held message keeps the held version's own time, as offer does.
+    again_late = spark.createDataFrame([("late", '{"v": 3}')], "key string, payload string")
+    assert offer_dataframe(again_late, pg.url, "held", mode="keep_schedule").updated == 1
     t = q.table
     with pg.Session() as s:
         stored = {
             r.key: r
             for r in s.execute(sa.select(t.c.key, t.c.lock_token, t.c.scheduled_at, t.c.attempts))
         }
-    for key, env in taken.items():
+    for key, env in taken.items():  # held to the old lease's end, their own time in the token
         parts = held_parts(stored[key].lock_token)
         assert parts is not None and parts[1] == env.lock_token, stored[key]
-        if key == "late":  # due after the lease ends: the row's own time, none in the token
-            assert parts[0] is None and stored[key].scheduled_at == later
-        else:  # due before: held to the lease's end, its own time in the token
-            assert parts[0] is not None and parts[0] <= datetime.now(UTC)
-            assert stored[key].scheduled_at == env.lease_until
+        assert stored[key].scheduled_at == env.lease_until
+        assert parts[0] is not None
+        if key == "late":
+            assert parts[0] == later
+        else:
+            assert parts[0] <= datetime.now(UTC)
     with pg.Session() as s, s.begin():
         assert q.try_poll_many(s, 5) == []  # never beside the old handlers
         assert not any(q.ack(s, env) for env in taken.values())  # each ends its hold
     with pg.Session() as s, s.begin():
         again = q.try_poll_many(s, 5)
+        assert q.get(s, "late").scheduled_at == later  # due at its own time
     assert sorted(e.key for e in again) == ["keep", "replace"]
     assert all(e.payload == {"v": 2} and e.attempt == 1 for e in again)
 

@@ -103,6 +103,10 @@ def _mode_clause(mode: OfferMode, marked: bool) -> sql.Composable:
     else:  # a done or dead row gets the offered time, an in-flight one is due now
         due = sql.SQL(
             "CASE WHEN t.status <> 'pending' THEN EXCLUDED.scheduled_at "
+            # held for an old delivery: the held version's own time (as _rules.offer_changes)
+            "WHEN t.lock_token ~ '^~-?[0-9]*~' THEN COALESCE(timestamptz 'epoch' + "
+            "NULLIF(substring(t.lock_token FROM '^~(-?[0-9]*)~'), '')::bigint "
+            "* interval '1 microsecond', t.scheduled_at) "
             "WHEN t.lock_token IS NOT NULL THEN %(now)s::timestamptz ELSE t.scheduled_at END"
         )
         schedule = sql.SQL("")
@@ -113,11 +117,12 @@ def _mode_clause(mode: OfferMode, marked: bool) -> sql.Composable:
         "AND t.scheduled_at > %(now)s::timestamptz"
     )
     schedule += sql.SQL(
-        "scheduled_at = CASE WHEN {held} THEN GREATEST({due}, t.scheduled_at) ELSE {due} END, "
-        "lock_token = CASE WHEN {held} THEN {mark} || CASE WHEN {due} < t.scheduled_at "
-        "THEN (extract(epoch FROM {due}) * 1000000)::bigint::text ELSE '' END || {mark} "
+        "scheduled_at = CASE WHEN {held} THEN t.scheduled_at ELSE {due} END, "
+        "lock_token = CASE WHEN {held} THEN {mark} "
+        "|| (extract(epoch FROM GREATEST({due}, timestamptz 'epoch')) * 1000000)::bigint::text "
+        "|| {mark} "
         "|| regexp_replace(t.lock_token, {old}, '') END"
-    ).format(held=held, due=due, mark=sql.Literal(HELD), old=sql.Literal(f"^{HELD}[0-9]*{HELD}"))
+    ).format(held=held, due=due, mark=sql.Literal(HELD), old=sql.Literal(f"^{HELD}-?[0-9]*{HELD}"))
     return sql.SQL("DO UPDATE SET {}, {} WHERE {}").format(fresh, schedule, changed)
 
 
