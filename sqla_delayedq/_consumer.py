@@ -293,6 +293,8 @@ def hand_out(waiting: collections.deque[W], count: int | None, wake: Callable[[W
 #: How soon an idle consumer of a queue with groups looks again while due messages wait behind
 #: the heads of their groups (seconds).
 GROUPED_RETRY = 0.05
+#: After a failed lease-mode attempt, how soon its consumer looks at the queue again.
+FAILED_RETRY = 0.05
 
 
 class Taken(NamedTuple):
@@ -840,8 +842,11 @@ class BaseWorker(Generic[S]):
             envs, taken = after
         if failed and not taken.more:
             # A nack rescheduled a message after the take read when the queue's next row is
-            # due: look again (as a transactional failure does), not a poll interval later.
-            taken = Taken(taken.handled, True, None)
+            # due: look again soon, not a poll interval later; but not at once, or a retry
+            # due at once (a zero delay) is taken in a busy loop that starves later queues.
+            soon = min(self.poll_interval, FAILED_RETRY)
+            due_in = soon if taken.due_in is None else min(taken.due_in, soon)
+            taken = Taken(taken.handled, False, due_in)
         return _after_groups(taken._replace(handled=handled), envs)
 
     def _handle(
@@ -901,10 +906,12 @@ class BaseWorker(Generic[S]):
         it commits durably. When it fails, none of it happened: the acknowledgement is made on
         its own, retried as usual, and the take is left to the consumer's loop."""
         if then and not self.rt.stopping:
+            committing = False
             try:
                 with self.rt.session() as s, s.begin():
                     acked = self._acknowledge(s, reg, envs)
                     taken = self._take_in(s, reg, then)
+                    committing = True  # only a failure from here on may hide a commit
                 # In flight from its commit on, so a stop that comes first releases them.
                 self._in_flight.add(reg, *taken[0])
                 return acked, taken
@@ -917,7 +924,7 @@ class BaseWorker(Generic[S]):
                         reg.source.name,
                         exc,
                     )
-                return self._settle(reg, envs[0], "ack", envs, after_failure=True) or 0, None
+                return self._settle(reg, envs[0], "ack", envs, after_failure=committing) or 0, None
         return self._settle(reg, envs[0], "ack", envs) or 0, None
 
     @staticmethod
@@ -956,9 +963,11 @@ class BaseWorker(Generic[S]):
         delay = 0.05
         deadline = time.monotonic() + max(reg.lease.total_seconds(), 1.0)
         while True:
+            committing = False
             try:
                 with self.rt.session() as s, s.begin():
                     result = op(s)
+                    committing = True  # only a failure from here on may hide a commit
                 if after_failure and (
                     result is NackOutcome.STALE or result is False or result == 0
                 ):
@@ -978,7 +987,7 @@ class BaseWorker(Generic[S]):
                 if not retryable(exc):
                     self._fail(exc, f"the {what} of {source.name}/{env.key}")
                     return None
-                after_failure = True
+                after_failure = after_failure or committing
                 self._db_error(exc)
                 if time.monotonic() > deadline:
                     log.error(

@@ -170,9 +170,25 @@ class Worker(BaseWorker[sessionmaker[Session]]):
             self._cleanup.append(listener.stop)
         for task in self._side_tasks(bind):
             self._spawn(lambda task=task: self._run_periodic(task), task.name)  # type: ignore[misc]
-        self._consumers = [self._spawn(self._consume, str(i)) for i in range(self.concurrency)]
+        self._live, self._live_lock = self.concurrency, threading.Lock()
+        self._consumers = [
+            self._spawn(self._consume_thread, str(i)) for i in range(self.concurrency)
+        ]
         self._spawn(self._heartbeat, "hb")  # leases: lease mode's, and limited queues' takes
         log.info("%s started: %d threads on %s", self.name, self.concurrency, self._tables())
+
+    def _consume_thread(self) -> None:
+        """A consumer thread; the last one to end (a stop request, or a failure) ends the
+        drain, so the heartbeat ends with it even when only request_stop() was called."""
+        rt = self.rt
+        try:
+            self._consume()
+        finally:
+            with self._live_lock:
+                self._live -= 1
+                last = self._live == 0
+            if last:
+                rt.mark_drained()
 
     def stop(self, drain_timeout: float | None = None) -> bool:
         """Take nothing new, let in-flight handlers finish, release what cannot finish.

@@ -1341,6 +1341,81 @@ def test_a_message_updated_in_flight_starts_as_soon_as_the_old_delivery_ends(bac
     assert new_start - old_end < 2.0, events  # not a 4 s poll later
 
 
+def test_a_handler_failing_with_no_retry_delay_does_not_spin_or_starve_other_queues(
+    backend, make_worker
+):
+    """Looking again after a failure must not be at once: a message whose retry is due at once
+    (a zero delay) was taken in a busy loop, hammering the database and starving the queues
+    registered after it."""
+    zero = ExponentialBackoff(initial=timedelta(0), multiplier=1, max_attempts=10**6, jitter=0)
+    failing: DelayedQueue[Any] = DelayedQueue("always-fails", retry=zero)
+    other: DelayedQueue[Any] = DelayedQueue("served-too")
+    attempts: list[int] = []
+    served = threading.Event()
+
+    def fail(env: Envelope[Any]) -> None:
+        attempts.append(env.attempt)
+        raise RuntimeError("fails every time")
+
+    worker = make_worker(backend, concurrency=1, poll_interval=1.0, listen=False)
+    worker.register(failing, fail)
+    worker.register(other, lambda env: served.set())
+    offer(backend, failing, "poison")
+    with running(worker):
+        assert wait_for(lambda: len(attempts) >= 2, 10)
+        offer(backend, other, "m")
+        started = time.monotonic()
+        assert served.wait(5)
+        time.sleep(max(0.0, 1.0 - (time.monotonic() - started)))
+    assert len(attempts) < 300, len(attempts)  # about 20 a second, not thousands
+
+
+def test_request_stop_alone_ends_the_heartbeat_with_the_last_consumer(backend):
+    """A worker told to stop (request_stop, or its own stop on a fatal error) without stop()
+    being called: once every consumer has ended, the heartbeat ends too, not run for ever."""
+    worker = Worker(backend.Session, concurrency=2, poll_interval=0.05, listen=False)
+    worker.register(DelayedQueue("nothing-due"), lambda env: None)
+    worker.start()
+    try:
+        worker.request_stop()
+        assert wait_for(lambda: not any(t.is_alive() for t in worker._threads), 5)
+    finally:
+        worker.stop(1)
+
+
+def test_a_chained_take_failing_before_its_commit_logs_no_unknown_outcome(
+    backend, make_worker, caplog
+):
+    """The take chained to an acknowledgement fails before the commit (a transient error of its
+    statement): nothing committed, so an acknowledgement then refused for a normal reason (an
+    offer updated the message meanwhile) is a warning, not an "outcome unknown" error."""
+    q: DelayedQueue[Any] = DelayedQueue("chain-then-refused")
+    with backend.Session() as s, s.begin():
+        q.offer_batch(s, [("m0", {"v": 1}), ("m1", {"v": 1})])
+    real = q.poll_batch
+    calls: list[int] = []
+
+    def flaky(session: Session, n: int, **kw: Any) -> Any:
+        calls.append(n)
+        if len(calls) == 2:  # the take chained to m0's acknowledgement
+            raise TransientError("injected: a statement timeout")
+        return real(session, n, **kw)
+
+    q.poll_batch = flaky  # type: ignore[method-assign]
+
+    def handler(env: Envelope[Any]) -> None:
+        if env.key == "m0" and env.payload == {"v": 1}:
+            offer(backend, q, "m0", {"v": 2})  # held: m0's own ack will be refused
+
+    worker = make_worker(backend, concurrency=1, poll_interval=0.05, listen=False)
+    worker.register(q, handler, mode="lease")
+    with caplog.at_level("WARNING", logger="sqla_delayedq"), running(worker):
+        assert wait_for(lambda: pending(backend, q) == 0, 30)
+    assert len(calls) >= 2
+    assert "refused" in caplog.text
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+
+
 # -- side tasks and extra hooks ---------------------------------------------------------------
 
 
