@@ -891,8 +891,8 @@ class BaseWorker(Generic[S]):
                 self.hooks.processed(reg.source.name, env, elapsed)
         else:
             log.warning(
-                "%d ack(s) on %s refused: the lease ran out, or an offer replaced the message, "
-                "before the handler returned",
+                "%d ack(s) on %s refused: the lease ran out, or an offer or schedule started a "
+                "new run, before the handler returned",
                 len(envs) - acked,
                 reg.source.name,
             )

@@ -292,6 +292,12 @@ class Strategy(abc.ABC):
         return (t.c.id.in_(ids), t.c.lock_token.in_(tokens))
 
     @staticmethod
+    def after_second(text: ColumnElement[str], mark: str) -> ColumnElement[str]:
+        """``text`` after its second ``mark``, for text that starts with one (the old token of a
+        held one, see :func:`~sqla_delayedq._rules.hold`)."""
+        return func.substr(text, func.instr(func.substr(text, 2), mark) + 2)
+
+    @staticmethod
     def server_version(dialect: Dialect) -> tuple[int, ...]:
         info = dialect.server_version_info or ()
         return tuple(int(v) for v in info if isinstance(v, int))
@@ -599,6 +605,10 @@ class PostgreSQLStrategy(Strategy):
         if ahead and rows and not more:
             return Claims(claimed, more, True, rows[0].next_at)
         return Claims(claimed, more)
+
+    @staticmethod
+    def after_second(text: ColumnElement[str], mark: str) -> ColumnElement[str]:
+        return func.split_part(text, mark, 3)  # no instr(); the rest holds no second mark
 
     def ack_by_tokens(self, t: Table, ids: list[int], tokens: list[str]) -> Any:
         # Two array parameters instead of one per id and token: one SQL text for every size.

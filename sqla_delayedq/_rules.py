@@ -28,6 +28,7 @@ __all__ = [
     "check_priority",
     "held_due",
     "held_parts",
+    "held_prefix",
     "hold",
     "lease_exhausted",
     "lost_lease_error",
@@ -181,7 +182,12 @@ def hold(token: str, lease_end: datetime, due: datetime) -> tuple[str, datetime]
     """
     parts = held_parts(token)
     old = token if parts is None else parts[1]
-    return f"{HELD}{(max(due, _EPOCH) - _EPOCH) // _MICRO}{HELD}{old}", lease_end
+    return held_prefix(due) + old, lease_end
+
+
+def held_prefix(due: datetime) -> str:
+    """The start of a held token, before the old token: ``~<due in µs since the epoch>~``."""
+    return f"{HELD}{(max(due, _EPOCH) - _EPOCH) // _MICRO}{HELD}"
 
 
 def held_parts(token: str | None) -> tuple[datetime | None, str] | None:

@@ -711,6 +711,28 @@ def settle(shape: Shape, name: SettleName) -> Delete | Update:
     return update(shape.table).where(guard).values(values)
 
 
+def restart_values(
+    shape: Shape, now: datetime, when: datetime, held: str, old_token: ColumnElement[str]
+) -> list[tuple[Any, Any]]:
+    """SET clauses, in order (MySQL evaluates them left to right on updated values), that start
+    a fresh run due at ``when``: attempts back to 0, no lease.
+
+    A row in flight (a lease that has not run out) is held for the old delivery instead, as an
+    offer holds a message it updates (:func:`~sqla_delayedq._rules.hold`): it stays in flight
+    until the old lease's end, under the token ``held`` (the held prefix for ``when``) followed
+    by the old token (``old_token``: the old token inside an already-held one).
+    """
+    in_flight = and_(shape.token.is_not(None), shape.due > literal(now, DateTimeUTC()))
+    old = case((func.substr(shape.token, 1, 1) == HELD, old_token), else_=shape.token)
+    return [
+        (shape.token, case((in_flight, literal(held, String) + old), else_=None)),
+        # On MySQL the token is already the new one here: held (not NULL) exactly when the row
+        # was in flight, and its lease end is still the due time.
+        (shape.due, case((in_flight, shape.due), else_=literal(when, DateTimeUTC()))),
+        (shape.attempts, 0),
+    ]
+
+
 def select_held(shape: Shape, row_id: Any, token: str) -> Select[Any]:
     """The (token, due) of the row ``row_id`` when an offer holds it for the delivery of
     ``token`` (see :func:`~sqla_delayedq._rules.hold`), locked."""

@@ -53,12 +53,13 @@ from sqlalchemy import inspect as sa_inspect
 from sqlalchemy import update as sa_update
 from sqlalchemy.engine import CursorResult, Result
 from sqlalchemy.orm import Mapped, Mapper, Session, mapped_column
-from sqlalchemy.orm.attributes import flag_modified, set_committed_value
+from sqlalchemy.orm.attributes import set_committed_value
 from sqlalchemy.sql import ColumnElement, Select
 
 from . import _statements as st
-from ._dialects import Claimed, Claims, Strategy, transient_as_ours
+from ._dialects import Claimed, Claims, Strategy, strategy_for, transient_as_ours
 from ._leases import LeasedQueue, LeaseLost, Processed
+from ._rules import HELD, held_due, held_prefix, lost_token
 from ._time import Clock, DateTimeUTC, require_aware, require_duration, system_clock
 from ._types import Delivery, Envelope, built
 from .errors import InvalidArgument
@@ -312,15 +313,19 @@ class EntityQueue(LeasedQueue[M]):
     ) -> int:
         """Start a fresh run for ``target`` at ``at`` (now): attempts back to 0, lease reset.
 
-        ``target`` is an entity (new or persistent; the change is flushed with it), several
-        entities, or a ``WHERE`` condition on the model, e.g. ``Order.company_id == 3345`` or
-        ``sqlalchemy.true()`` for every row. Returns how many rows were scheduled. A consumer
-        holding one of them loses its lease: its ``succeed`` or ``fail`` becomes a no-op.
+        ``target`` is an entity (new or persistent), several entities, or a ``WHERE`` condition
+        on the model, e.g. ``Order.company_id == 3345`` or ``sqlalchemy.true()`` for every row.
+        Returns how many rows were scheduled. A new entity gets its run with its insert; stored
+        ones are updated at once, whatever the Session loaded.
+
+        An entity in flight is never run twice at once: its new run waits for the old delivery
+        to end (the old consumer's ``ack``, ``nack`` or ``release``, which then settle nothing
+        and return ``False``/``STALE``, or its lease's end) and then starts as a first
+        delivery, at ``at`` or at once if that has passed.
         """
         when = self.now() if at is None else require_aware(at, "at")
-        values = {"queue_next_attempt_at": when, "queue_attempts": 0, "queue_lock_token": None}
         if isinstance(target, (ColumnElement, bool)):
-            return self._update(session, _conditions([target]), values)
+            return self._restart(session, _conditions([target]), when)
         if isinstance(target, self.model):
             entities: list[Any] = [target]
         elif isinstance(target, Iterable) and not isinstance(target, (str, Select)):
@@ -336,16 +341,27 @@ class EntityQueue(LeasedQueue[M]):
                     f"schedule takes {self.model.__name__} entities or a SQL condition, "
                     f"got {type(entity).__name__}{hint}"
                 )
+        # A stored entity may have been taken since this Session loaded it: its run is
+        # restarted by a statement that reads the row's lease as it is now (not the loaded one).
+        stored = [sa_inspect(e).identity for e in entities if sa_inspect(e).has_identity]
+        values = {"queue_next_attempt_at": when, "queue_attempts": 0, "queue_lock_token": None}
         for entity in entities:
-            for name, value in values.items():
-                setattr(entity, name, value)
-                if sa_inspect(entity).has_identity:  # persistent or detached
-                    # Written even when equal to the value this Session loaded: a take since
-                    # then set a lock token (and lease end) that must be cleared, or the
-                    # consumer's ack/nack still matches and overwrites this new run.
-                    flag_modified(entity, name)
+            if not sa_inspect(entity).has_identity:
+                for name, value in values.items():
+                    setattr(entity, name, value)
             session.add(entity)
-        return len(entities)
+        restarted = 0
+        if stored:
+            restarted = self._restart(session, [self.pk.in_([key[0] for key in stored])], when)
+        return len(entities) - len(stored) + restarted
+
+    def _restart(
+        self, session: Session, conds: Sequence[ColumnElement[bool]], when: datetime
+    ) -> int:
+        """Start a fresh run of the matching rows (see :func:`_statements.restart_values`)."""
+        old = strategy_for(session).after_second(self.shape.token, HELD)
+        restart = st.restart_values(self.shape, self.now(), when, held_prefix(when), old)
+        return self._update(session, conds, restart)
 
     def stop(self, session: Session, *where: ColumnElement[bool]) -> int:
         """Clear the next attempt of matching pending rows; returns how many.
@@ -388,7 +404,10 @@ class EntityQueue(LeasedQueue[M]):
         return self._update(session, conds, values)
 
     def _update(
-        self, session: Session, conds: Sequence[ColumnElement[bool]], values: dict[str, Any]
+        self,
+        session: Session,
+        conds: Sequence[ColumnElement[bool]],
+        values: dict[str, Any] | list[tuple[Any, Any]],
     ) -> int:
         """One set-based ``UPDATE``; then the queue state of this model's entities in the
         Session is expired, so it reloads on access.
@@ -397,7 +416,8 @@ class EntityQueue(LeasedQueue[M]):
         attributes an object never loaded (a nullable column left unset on insert reads as None
         after the flush), and ``fetch`` costs an extra ``SELECT`` on MariaDB/MySQL.
         """
-        stmt = sa_update(self.model).where(*conds).values(values)
+        stmt = sa_update(self.model).where(*conds)
+        stmt = stmt.values(values) if isinstance(values, dict) else stmt.ordered_values(*values)
         count = _rowcount(session.execute(stmt, execution_options={"synchronize_session": False}))
         for obj in list(session.identity_map.values()):
             if isinstance(obj, self.model):
@@ -429,12 +449,13 @@ class EntityQueue(LeasedQueue[M]):
             if row_id not in taken:
                 continue
             prev_token, prev_due = entity.queue_lock_token, entity.queue_next_attempt_at
-            attempts = entity.queue_attempts + (0 if prev_token is None else 1)
+            lost = lost_token(prev_token)  # as the take's SET counted it
+            attempts = entity.queue_attempts + (0 if lost is None else 1)
             set_committed_value(entity, "queue_next_attempt_at", until)
             set_committed_value(entity, "queue_lock_token", prefix)
             set_committed_value(entity, "queue_attempts", attempts)
             row = SimpleNamespace(id=row_id, lock_token=prefix, attempts=attempts, entity=entity)
-            claimed.append(Claimed(row, prev_token, cast(datetime, prev_due)))
+            claimed.append(Claimed(row, lost, cast(datetime, prev_due), held_due(prev_token)))
         return Claims(claimed, more)
 
     def _payload(self, claimed: Claimed) -> M:
@@ -511,7 +532,8 @@ class EntityQueue(LeasedQueue[M]):
             .values(values)
         )
         if _rowcount(session.execute(stmt)) != 1:
-            return False
+            # Scheduled again while in flight: end the hold (see schedule), settle nothing.
+            return self._settle_held(session, "done", envelope.id, envelope.lock_token, {})
         self._mirror(envelope.payload, values)
         return True
 
@@ -544,6 +566,9 @@ class EntityQueue(LeasedQueue[M]):
             )
             matched = _rowcount(session.execute(stmt))
             done += matched
+            if matched < len(group):  # some were scheduled again in flight: end their holds
+                for e in group:
+                    self._settle_held(session, "done", e.id, token, {})
             if matched == len(group):
                 for e in group:
                     self._mirror(

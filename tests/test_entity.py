@@ -318,7 +318,7 @@ def test_an_expired_lease_is_redelivered_and_the_old_lease_cannot_settle(
         assert queue.ack(s, second)
 
 
-@pytest.mark.parametrize("then", ["old consumer acks", "another consumer polls"])
+@pytest.mark.parametrize("then", ["old consumer acks", "the old lease runs out"])
 def test_schedule_of_an_entity_loaded_before_a_take_takes_the_lease_away(
     server_db: Backend, clock: FakeClock, then: str
 ) -> None:
@@ -326,7 +326,8 @@ def test_schedule_of_an_entity_loaded_before_a_take_takes_the_lease_away(
     schedules a new run. The ORM writes only what differs from what the request's Session
     loaded (no lock token then), so the take's token survived: the old consumer's ack wiped the
     new run, or the next poll counted a lost lease (with one attempt allowed: failed, its
-    handler never run). The new run must be a fresh one whatever the Session loaded."""
+    handler never run). The new run must be a fresh one whatever the Session loaded, and it
+    waits for the old delivery to end."""
     retry = ExponentialBackoff(max_attempts=1, initial=timedelta(seconds=10), jitter=0)
     queue = EntityQueue(Order, clock=clock, retry=retry, lease=timedelta(minutes=1))
     [order_id] = add_orders(server_db.Session, 1)
@@ -343,8 +344,11 @@ def test_schedule_of_an_entity_loaded_before_a_take_takes_the_lease_away(
     web.commit()
     web.close()
     with server_db.Session() as s, s.begin():
+        assert queue.try_poll_many(s, 1) == []  # never beside the old delivery
         if then == "old consumer acks":
             assert not queue.ack(s, taken)  # the new run stays
+        else:
+            clock.advance(timedelta(minutes=1))
         [again] = queue.try_poll_many(s, 1)
         assert again.delivery is Delivery.FIRST and again.attempt == 1
         assert again.payload.amount_cents == 999
@@ -494,6 +498,95 @@ def test_search_by_the_users_own_columns_is_a_plain_select(
             == 1
         )
         assert queue.counts(s, Order.company_id == 3345) == EntityCounts(0, 1, 0, 2, 0, 0)
+
+
+@pytest.mark.parametrize("via", ["condition", "entity", "detached entity"])
+@pytest.mark.parametrize(
+    "end", ["ack", "ack with changes", "nack", "release", "lease runs out", "extended", "again"]
+)
+def test_schedule_of_an_entity_in_flight_waits_for_the_old_delivery(
+    db: Backend, clock: FakeClock, via: str, end: str
+) -> None:
+    """A new run is never taken beside the old run's handler: the entity stays in flight until
+    the old delivery ends. The old consumer's ack (with or without changes to the entity), nack
+    or release ends the hold and settles nothing; its heartbeat lengthens it; its death ends it
+    with its lease. The new run is then a first delivery, attempts from 0, at its own time. A
+    second schedule while held keeps it held, at the later schedule's time."""
+    queue = EntityQueue(Order, clock=clock, retry=NO_JITTER, lease=timedelta(seconds=30))
+    [order_id, other] = add_orders(db.Session, 2)
+    with db.Session() as s, s.begin():
+        queue.schedule(s, Order.id == order_id)
+    lease_mode = db.Session(expire_on_commit=False)
+    with lease_mode.begin():
+        [old] = queue.try_poll_many(lease_mode, 1)
+    lease_mode.close()
+    assert old.id == order_id
+    clock.advance(timedelta(seconds=1))
+    loaded = row(db.Session, order_id) if via == "detached entity" else None
+    with db.Session() as s, s.begin():
+        if via == "condition":
+            assert queue.schedule(s, Order.id.in_([order_id, other])) == 2
+        elif via == "entity":
+            orders = s.scalars(select(Order).where(Order.id.in_([order_id, other]))).all()
+            assert queue.schedule(s, orders) == 2
+        else:
+            assert loaded is not None and queue.schedule(s, loaded) == 1
+        if via != "detached entity":
+            [fresh] = queue.try_poll_many(s, 5)  # the idle one starts at once...
+            assert fresh.id == other and queue.ack(s, fresh)
+        assert queue.try_poll_many(s, 5) == []  # ...the one in flight waits
+        counts = queue.counts(s, Order.id == order_id)
+        assert (counts.in_flight, counts.due) == (1, 0)
+    if end == "extended":
+        with db.Session() as s, s.begin():
+            assert queue.extend(s, old, timedelta(seconds=60)) is not None
+        clock.advance(timedelta(seconds=40))
+        with db.Session() as s, s.begin():
+            assert queue.try_poll_many(s, 5) == []
+    if end == "again":  # scheduled once more while held: still held, now due at the later time
+        later = clock() + timedelta(minutes=5)
+        with db.Session() as s, s.begin():
+            assert queue.schedule(s, Order.id == order_id, at=later) == 1
+            assert queue.try_poll_many(s, 5) == []
+            assert not queue.ack(s, old)
+            assert queue.try_poll_many(s, 5) == []  # due at its own time, not at once
+        clock.set(later)
+    with db.Session() as s, s.begin():
+        if end in ("ack", "extended"):
+            assert queue.ack(s, old) is False
+        elif end == "ack with changes":
+            old.payload.amount_cents = 1  # a lease-mode handler's change: not written
+            assert queue.ack(s, old) is False
+        elif end == "nack":
+            assert queue.nack(s, old, "old failed") is NackOutcome.STALE
+        elif end == "release":
+            assert queue.release(s, old) is False
+    if end == "lease runs out":
+        with db.Session() as s, s.begin():
+            assert queue.try_poll_many(s, 5) == []
+        clock.advance(timedelta(seconds=30))  # the old consumer died: its lease ends
+    with db.Session() as s, s.begin():
+        [new] = queue.try_poll_many(s, 5)
+        assert new.id == order_id and new.delivery is Delivery.FIRST and new.attempt == 1
+        assert new.payload.amount_cents == 100
+        assert new.payload.queue_last_error is None
+        assert queue.ack(s, new)
+    done = row(db.Session, order_id)
+    assert (done.queue_status, done.queue_attempts) == (EntityStatus.SUCCEEDED, 1)
+
+
+def test_schedule_of_an_entity_deleted_meanwhile_counts_what_it_scheduled(
+    db: Backend, queue: EntityQueue[Order]
+) -> None:
+    order_id, _ = add_orders(db.Session, 2)
+    loaded = row(db.Session, order_id)
+    with db.Session() as s, s.begin():
+        s.execute(sa.delete(Order).where(Order.id == order_id))
+    with db.Session() as s, s.begin():
+        new = Order(reference="new", company_id=1, amount_cents=1)
+        assert queue.schedule(s, [new, s.merge(loaded, load=False)]) == 1
+    with db.Session() as s, s.begin():
+        assert queue.counts(s).due == 1
 
 
 def test_stop_clears_the_next_attempt_and_wins_over_a_consumer_in_flight(

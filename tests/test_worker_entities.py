@@ -161,3 +161,44 @@ def test_a_worker_serves_message_and_entity_queues_together(db, make_worker):
     with running(worker):
         assert wait_for(lambda: len(seen) == 6, 15)
     assert Counter(seen) == {"beside-entities": 3, "eq_orders": 3}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_entities_scheduled_again_while_in_flight_never_run_twice_at_once(db, make_worker, mode):
+    """A web request schedules entities again and again while the worker runs them: each new
+    run waits for the old delivery to end (never two handlers of one entity at once), and the
+    last schedule of each entity is followed by a run of its own."""
+    queue = EntityQueue(Order, lease=timedelta(seconds=30))
+    ids = add_scheduled(db, queue, 8)
+    lock = threading.Lock()
+    running_now: Counter[int] = Counter()
+    peak: Counter[int] = Counter()
+    started: dict[int, list[float]] = {i: [] for i in ids}
+
+    def handler(envelope: Envelope[Order], session: Session | None = None) -> None:
+        order_id = envelope.payload.id
+        with lock:
+            running_now[order_id] += 1
+            peak[order_id] = max(peak[order_id], running_now[order_id])
+            started[order_id].append(time.monotonic())
+        time.sleep(0.03)
+        with lock:
+            running_now[order_id] -= 1
+
+    worker = make_worker(db, concurrency=4, poll_interval=0.05, listen=False)
+    worker.register(queue, handler, mode=mode)
+    last_schedule = 0.0
+    with running(worker):
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            with db.Session() as s, s.begin():
+                if int(deadline - time.monotonic()) % 2:
+                    queue.schedule(s, s.scalars(select(Order).where(Order.id.in_(ids))).all())
+                else:
+                    queue.schedule(s, Order.id.in_(ids))
+            last_schedule = time.monotonic()
+            time.sleep(0.01)
+        assert wait_for(lambda: counts(db, queue).succeeded == len(ids), 30)
+    assert max(peak.values()) == 1, peak
+    assert all(times and times[-1] > last_schedule for times in started.values()), started
+    assert sum(len(times) for times in started.values()) > 2 * len(ids)
