@@ -6,18 +6,20 @@ filters built from :class:`~sqla_delayedq.MessageFilter` as bound parameters.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import Delete, delete, func, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import ColumnElement
 
 from . import _filters as flt
 from . import _statements as st
 from ._cli_stats import queue_stats
-from ._codec import Codec, check_strings, decode_headers
-from ._dialects import transient_as_ours
+from ._codec import Codec, check_strings, check_text, decode_headers
+from ._dialects import strategy_for, transient_as_ours
 from ._rules import check_priority
 from ._time import require_aware, require_duration
 from ._types import MessageFilter, MessageInfo, QueueCounts, State
@@ -50,9 +52,21 @@ class AdminMixin:
         f = f or MessageFilter()
         if not isinstance(f, MessageFilter):
             raise InvalidArgument(f"filter must be a MessageFilter, got {type(f).__name__}")
+        if f.key_prefix is not None:
+            if not isinstance(f.key_prefix, str):
+                raise InvalidArgument(
+                    f"key_prefix must be a str, got {type(f.key_prefix).__name__}"
+                )
+            check_text(f.key_prefix, "key_prefix")
+        if not isinstance(f.payload, Mapping):
+            raise InvalidArgument(
+                f"payload filter must be a mapping of field to value, got "
+                f"{type(f.payload).__name__}"
+            )
         for name, value in f.payload.items():
             if not isinstance(name, str) or not name:
                 raise InvalidArgument("payload filter field names must be non-empty strings")
+            check_text(name, f"payload filter field {name!r}")
             if '"' in name or "\\" in name:
                 raise InvalidArgument(
                     f"payload filter field {name!r}: a name with a quote or backslash cannot be "
@@ -63,6 +77,7 @@ class AdminMixin:
                     f"payload filter {name!r}: only str, int, float and bool values are "
                     "supported; use MessageFilter(where=...) for anything else"
                 )
+            _check_field_value(name, value)
         return flt.filter_clause(
             self.table,
             self.name,
@@ -118,14 +133,16 @@ class AdminMixin:
     @transient_as_ours
     def get(self, session: Session, key: str) -> MessageInfo | None:
         """The message stored under ``key``, in any state, or None."""
-        row = session.execute(st.select_by_key(self.table, self.name, key)).first()
+        row = session.execute(st.select_by_key(self.table, self.name, _key(key))).first()
         return None if row is None else self._info(row, self.now())
 
     @transient_as_ours
     def contains(self, session: Session, key: str) -> bool:
         """Whether ``key`` is pending (due, scheduled or in flight) in this queue."""
         t = self.table
-        stmt = select(t.c.id).where(t.c.queue == self.name, t.c.key == key, t.c.status == "pending")
+        stmt = select(t.c.id).where(
+            t.c.queue == self.name, t.c.key == _key(key), t.c.status == "pending"
+        )
         return session.execute(stmt).first() is not None
 
     @transient_as_ours
@@ -196,8 +213,8 @@ class AdminMixin:
     def drop(self, session: Session, key: str) -> bool:
         """Delete the message stored under ``key``; False when there was none."""
         t = self.table
-        stmt = delete(t).where(t.c.queue == self.name, t.c.key == key)
-        return bool(st.affected(session, stmt))
+        stmt = delete(t).where(t.c.queue == self.name, t.c.key == _key(key))
+        return bool(_delete(session, stmt))
 
     @transient_as_ours
     def drop_where(self, session: Session, where: MessageFilter) -> int:
@@ -208,7 +225,7 @@ class AdminMixin:
                 "the queue"
             )
         stmt = delete(self.table).where(self.condition(where, self.now()))
-        return st.affected(session, stmt)
+        return _delete(session, stmt)
 
     @transient_as_ours
     def drop_all(self, session: Session, *, confirm: str | None = None) -> int:
@@ -219,7 +236,7 @@ class AdminMixin:
                 f"pass confirm={self.name!r} to proceed"
             )
         t = self.table
-        return st.affected(session, delete(t).where(t.c.queue == self.name))
+        return _delete(session, delete(t).where(t.c.queue == self.name))
 
     @transient_as_ours
     def reschedule(
@@ -283,6 +300,43 @@ class AdminMixin:
             t.c.last_attempt_at < self.now() - keep,
         )
         return st.affected(session, stmt)
+
+
+def _key(key: Any) -> str:
+    """A key to look up: a string of storable text (else PostgreSQL fails on it)."""
+    if not isinstance(key, str):
+        raise InvalidArgument(f"key must be a string, got {type(key).__name__}")
+    return check_text(key, "key")
+
+
+#: The integers a payload filter compares exactly on every backend (SQLite binds 64 bits).
+_INT_RANGE = range(-(2**63), 2**63)
+
+
+def _check_field_value(name: str, value: str | int | float | bool) -> None:
+    """A payload filter value every backend can compare: storable text, a finite float, a
+    64-bit integer (else PostgreSQL or SQLite fails on it, and the others match nothing)."""
+    what = f"payload filter {name!r}"
+    if isinstance(value, str):
+        check_text(value, what)
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise InvalidArgument(f"{what}: {value} is not a JSON number")
+    elif isinstance(value, int) and not isinstance(value, bool) and value not in _INT_RANGE:
+        raise InvalidArgument(
+            f"{what}: {value} is outside the 64-bit integers every backend compares; "
+            "use MessageFilter(where=...)"
+        )
+
+
+def _delete(session: Session, stmt: Delete) -> int:
+    """Run a drop: the messages it matches are deleted, those whose transactional handler was
+    running too. That handler's take deleted the row, and its failure puts the message back as
+    a new row once it commits; where the waiting statement cannot see that row (PostgreSQL),
+    a second statement deletes it."""
+    deleted = st.affected(session, stmt)
+    if not strategy_for(session).sees_rows_of_awaited_transactions:
+        deleted += st.affected(session, stmt)
+    return deleted
 
 
 def _is_empty(f: MessageFilter) -> bool:

@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta, timezone
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import click
-from sqlalchemy import CursorResult, and_, delete, select
+from sqlalchemy import and_, select
 from sqlalchemy.orm import Session
 
 from ._cli_base import (
@@ -224,12 +224,7 @@ def requeue(
 
 def drop_chunk(queue: RawQueue, session: Session, where: MessageFilter) -> int:
     """Delete one chunk: by the filter, or (``--all``) every listed id of the queue."""
-    if has_conditions(where):
-        return queue.drop_where(session, where)
-    t = queue.table
-    stmt = delete(t).where(t.c.queue == queue.name, where.where)
-    result = cast("CursorResult[Any]", session.execute(stmt))
-    return int(result.rowcount)
+    return queue.drop_where(session, where)
 
 
 def describe(f: MessageFilter, queues: Sequence[str]) -> str:

@@ -168,6 +168,10 @@ class Strategy(abc.ABC):
     #: Queues per statement of bounded depth counts (``_cli_stats.bounded_stats_stmt``); 100
     #: stays well under SQLite's limit of 500 selects in one compound statement.
     queues_per_bounded_stats: ClassVar[int] = 100
+    #: Whether a statement that waited for a transaction sees the rows it inserted. A failed
+    #: transactional handler puts its message back as a new row; PostgreSQL's waiting
+    #: ``DELETE`` skips the row that transaction deleted and never sees the new one.
+    sees_rows_of_awaited_transactions: ClassVar[bool] = True
 
     def insert_one(
         self, session: Session, t: Table, row: dict[str, Any], *, notify: str | None = None
@@ -475,6 +479,7 @@ class PostgreSQLStrategy(Strategy):
     has_notify = True
     autocommit_offer = True
     keeps_statistics = True
+    sees_rows_of_awaited_transactions = False
 
     def group_hold(self, transactional: bool) -> st.GroupLock:
         # A lease take holds the group too: only for its own short transaction, with no extra

@@ -135,6 +135,11 @@ class JsonFieldEquals(ColumnElement[bool]):
         self.scalar = bindparam(None, json.dumps(value), type_=String())
         self.path = bindparam(None, "$." + json.dumps(name), type_=String())
         self.raw: Any = bindparam(None, value)
+        #: What the SQL compiled for the value depends on (the JSON types SQLite accepts, an
+        #: exact comparison of integers on MariaDB/MySQL): part of the statement cache key, or
+        #: a filter on False would run the SQL compiled for True.
+        self.exact = isinstance(value, int) and not isinstance(value, bool)
+        self.kinds = ",".join(self.json_types()) + (",exact" if self.exact else "")
 
     _traverse_internals = [
         ("column", InternalTraversal.dp_clauseelement),
@@ -142,6 +147,7 @@ class JsonFieldEquals(ColumnElement[bool]):
         ("scalar", InternalTraversal.dp_clauseelement),
         ("path", InternalTraversal.dp_clauseelement),
         ("raw", InternalTraversal.dp_clauseelement),
+        ("kinds", InternalTraversal.dp_string),
     ]
 
     def json_types(self) -> tuple[str, ...]:
@@ -166,10 +172,20 @@ def _json_eq_mysql(element: JsonFieldEquals, compiler: Any, **kw: Any) -> str:
     path = compiler.process(element.path, **kw)
     # JSON_CONTAINS also finds a scalar among an array's members ([3345, 12] contains 3345):
     # the field must be a scalar itself, as on the other backends.
-    return (
-        f"(JSON_CONTAINS({column}, {scalar}, {path}) = 1 "
-        f"AND JSON_TYPE(JSON_EXTRACT({column}, {path})) NOT IN ('ARRAY', 'OBJECT'))"
+    sql = (
+        f"JSON_CONTAINS({column}, {scalar}, {path}) = 1 "
+        f"AND JSON_TYPE(JSON_EXTRACT({column}, {path})) NOT IN ('ARRAY', 'OBJECT')"
     )
+    if element.exact:
+        # JSON_CONTAINS compares numbers as doubles (2**53 + 1 matches 2**53): an integer is
+        # compared exactly too, as PostgreSQL and SQLite do; CASE keeps text out of it.
+        field = f"JSON_EXTRACT({column}, {path})"
+        raw = compiler.process(element.raw, **kw)
+        sql += (
+            f" AND CASE WHEN JSON_TYPE({field}) IN ('INTEGER', 'UNSIGNED INTEGER', 'DOUBLE') "
+            f"THEN {field} = {raw} END"
+        )
+    return f"({sql})"
 
 
 @compiles(JsonFieldEquals, "sqlite")

@@ -204,6 +204,10 @@ class QueueMessageMixin:
             CheckConstraint(
                 "status IN ('pending', 'done', 'dead')", name=conv(f"ck_{table}_status")
             ),
+            # An id is never reused (SQLite's rowid otherwise gives a new message the id of the
+            # highest one deleted): a bulk change bounded by the highest id it counted never
+            # reaches a message offered since.
+            {"sqlite_autoincrement": True},
         )
 
     def __repr__(self) -> str:

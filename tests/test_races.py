@@ -9,9 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any, cast
 
+import pytest
 import sqlalchemy as sa
 
-from sqla_delayedq import DelayedMessage, DelayedQueue, Outcome, is_transient
+from sqla_delayedq import DelayedMessage, DelayedQueue, MessageFilter, Outcome, is_transient
 
 T = cast(sa.Table, DelayedMessage.__table__)
 
@@ -217,3 +218,44 @@ def test_racing_batches_of_the_same_new_keys_never_deadlock(server_backend):
         for i in range(300):
             per_key = [outcomes[i] for outcomes in results]
             assert per_key.count(Outcome.CREATED) == 1, keys[i]
+
+
+DROPS = {
+    "drop": lambda q, s: int(q.drop(s, "k")),
+    "drop_where": lambda q, s: q.drop_where(s, MessageFilter(keys=("k",))),
+    "drop_all": lambda q, s: q.drop_all(s, confirm="tx-drop"),
+}
+
+
+@pytest.mark.parametrize("drop", DROPS.values(), ids=DROPS.keys())
+def test_a_drop_waiting_for_a_failing_transactional_handler_deletes_its_message(
+    server_backend, drop
+):
+    q = DelayedQueue("tx-drop")
+    with server_backend.Session.begin() as s:
+        q.offer(s, "k", {"v": 1})
+    started, go = threading.Event(), threading.Event()
+
+    def handler(envelope, session):
+        started.set()
+        go.wait(30)
+        raise RuntimeError("the handler fails while the drop waits for it")
+
+    def consume() -> None:
+        with server_backend.Session.begin() as s:
+            q.process_one(s, handler)
+
+    def admin() -> int:
+        with server_backend.Session.begin() as s:
+            return drop(q, s)
+
+    with ThreadPoolExecutor(2) as pool:
+        consumer = pool.submit(consume)
+        assert started.wait(30)
+        dropped = pool.submit(admin)
+        time.sleep(1)  # the drop waits for the handler's transaction
+        go.set()
+        consumer.result(30)
+        assert dropped.result(30) == 1
+    with server_backend.Session() as s:
+        assert q.get(s, "k") is None  # not retried after the drop said it deleted it

@@ -240,3 +240,70 @@ def test_keys_as_a_tuple_list_or_set_name_exactly_those_keys(backend, make_queue
         assert q.drop_where(s, MessageFilter(keys=keys)) == 1
     with backend.Session() as s:
         assert sorted(m.key for m in q.search(s)) == ["a", "b"]
+
+
+def test_a_filter_on_false_never_runs_the_sql_compiled_for_true(backend, make_queue):
+    q = make_queue()
+    with backend.Session.begin() as s:
+        q.offer_batch(s, [("vip", {"vip": True}), ("regular", {"vip": False})])
+    with backend.Session() as s:  # the same statement shapes, compiled with True first
+        assert [m.key for m in q.search(s, MessageFilter(payload={"vip": True}))] == ["vip"]
+        assert [m.key for m in q.search(s, MessageFilter(payload={"vip": False}))] == ["regular"]
+    with backend.Session.begin() as s:
+        assert q.drop_where(s, MessageFilter(payload={"vip": True, "other": 1})) == 0
+        assert q.drop_where(s, MessageFilter(payload={"vip": False})) == 1
+    with backend.Session() as s:
+        assert [m.key for m in q.search(s)] == ["vip"]
+
+
+def test_a_large_integer_field_matches_only_itself(backend, make_queue):
+    # Snowflake-style ids: neighbours that one double cannot tell apart.
+    snowflake = 1234567890123456789
+    q = make_queue()
+    with backend.Session.begin() as s:
+        q.offer_batch(s, [(str(n), {"userId": snowflake + n}) for n in (-1, 0, 1)])
+        q.offer_batch(s, [("float", {"userId": 3345.0}), ("text", {"userId": "3345"})])
+    with backend.Session() as s:
+        assert [m.key for m in q.search(s, MessageFilter(payload={"userId": snowflake}))] == ["0"]
+        assert [m.key for m in q.search(s, MessageFilter(payload={"userId": 3345}))] == ["float"]
+    with backend.Session.begin() as s:
+        assert q.drop_where(s, MessageFilter(payload={"userId": snowflake})) == 1
+    with backend.Session() as s:
+        assert sorted(m.key for m in q.search(s)) == ["-1", "1", "float", "text"]
+
+
+BAD_FILTERS = {
+    "prefix-nul": MessageFilter(key_prefix="k\x00"),
+    "prefix-surrogate": MessageFilter(key_prefix="k\udcff"),  # what argv gives for a \xff byte
+    "prefix-int": MessageFilter(key_prefix=cast(Any, 5)),
+    "field-nul": MessageFilter(payload={"c\x00": 1}),
+    "value-nul": MessageFilter(payload={"c": "a\x00b"}),
+    "value-surrogate": MessageFilter(payload={"c": "a\ud800b"}),
+    "value-nan": MessageFilter(payload={"c": float("nan")}),
+    "value-inf": MessageFilter(payload={"c": float("-inf")}),
+    "value-2**64": MessageFilter(payload={"c": 2**64}),
+    "payload-list": MessageFilter(payload=cast(Any, [("c", 1)])),
+}
+
+
+@pytest.mark.parametrize("bad", BAD_FILTERS.values(), ids=BAD_FILTERS.keys())
+def test_a_filter_no_backend_can_compare_is_refused_before_any_sql(backend, make_queue, bad):
+    q = make_queue()
+    with backend.Session.begin() as s:
+        q.offer(s, "k", {"c": 1})
+    with record_sql(backend.engine) as sql, backend.Session.begin() as s:
+        for call in (q.search, q.count, q.drop_where, q.reschedule, q.requeue_dead):
+            with pytest.raises(InvalidArgument):
+                call(s, bad)
+    assert sql == []
+    assert row_count(backend) == 1
+
+
+@pytest.mark.parametrize("bad", ["k\x00", "k\ud800", 5], ids=["nul", "surrogate", "int"])
+def test_a_key_no_backend_can_store_is_refused_by_get_contains_and_drop(backend, make_queue, bad):
+    q = make_queue()
+    with record_sql(backend.engine) as sql, backend.Session.begin() as s:
+        for call in (q.get, q.contains, q.drop):
+            with pytest.raises(InvalidArgument, match=r"^key"):
+                call(s, bad)
+    assert sql == []

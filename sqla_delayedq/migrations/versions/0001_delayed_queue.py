@@ -64,6 +64,7 @@ def upgrade() -> None:
         sa.CheckConstraint(
             "status IN ('pending', 'done', 'dead')", name=op.f("ck_delayed_queue_status")
         ),
+        sqlite_autoincrement=True,  # ids are never reused (see models.QueueMessageMixin)
     )
     # Names are final (op.f): the DDL must not depend on the naming convention of the env.
     op.create_index(op.f("ix_delayed_queue_due"), "delayed_queue", ["queue", "scheduled_at", "id"])
