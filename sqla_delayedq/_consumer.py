@@ -295,6 +295,9 @@ def hand_out(waiting: collections.deque[W], count: int | None, wake: Callable[[W
 GROUPED_RETRY = 0.05
 #: After a failed lease-mode attempt, how soon its consumer looks at the queue again.
 FAILED_RETRY = 0.05
+#: How many messages a lease-mode chain of takes handles before the consumer's pass goes on to
+#: the worker's other queues, so a backlog in the first queue does not hold them back.
+CHAIN_LIMIT = 10
 
 
 class Taken(NamedTuple):
@@ -740,17 +743,18 @@ class BaseWorker(Generic[S]):
         (rows other consumers hold are theirs): no second, empty take of it.
         """
         next_due: float | None = None
+        more = False
         for i, reg in enumerate(self._registrations):
             if self.rt.stopping:
                 return True, None
-            # After a full take the pass starts again from the first queue, so the first one
-            # may chain its takes to its acknowledgements without changing which queue goes next.
+            # A full take goes on to the next queue all the same, so a backlog in one queue
+            # does not hold back those after it; only the first queue chains its takes.
             taken = self._once(reg, chain=i == 0)
             if taken.more:
-                return True, None
-            if taken.due_in is not None:
+                more = True
+            elif taken.due_in is not None:
                 next_due = min(next_due, taken.due_in) if next_due is not None else taken.due_in
-        return False, next_due
+        return more, None if more else next_due
 
     def _once(self, reg: Registration, chain: bool = False) -> Taken:
         """One take of ``reg``'s queue, handled. With ``chain`` (lease mode), while takes come
@@ -821,7 +825,8 @@ class BaseWorker(Generic[S]):
         while envs:
             handled += len(envs)
             self._in_flight.add(reg, *envs)
-            then = size if chain and taken.chainable else 0
+            alone = len(self._registrations) == 1  # no other queue to give a turn to
+            then = size if chain and taken.chainable and (alone or handled < CHAIN_LIMIT) else 0
             if reg.batch is not None:
                 self._observe(reg, *envs)
                 after = self._handle(reg, envs, list(envs), then)  # its own list to change
@@ -958,6 +963,7 @@ class BaseWorker(Generic[S]):
             "ack": lambda s: self._acknowledge(s, reg, arg),
             "nack": lambda s: source.nack(s, env, arg),
             "release": lambda s: source.release(s, env, at=arg),
+            "record": lambda s: source.record_failure(s, env, arg),  # type: ignore[attr-defined]
         }
         op = ops[what]
         delay = 0.05
@@ -1018,8 +1024,13 @@ class BaseWorker(Generic[S]):
         #: A limited queue's lease, committed apart: a rollback of this transaction leaves it.
         leased: list[Envelope[Any]] = []
 
+        #: The message whose handler runs, and a failure that rolled its take back (below).
+        handling: list[Envelope[Any]] = []
+        bailed: list[BaseException] = []
+
         def handle(envelope: Envelope[Any], session: Session) -> Any:
             self._observe(reg, envelope)
+            handling.append(envelope)
             if not (envelope.lock_token and leases_apart(session)):
                 return rt.call(reg.handler, envelope, session)  # the row lock holds it
             leased.append(envelope)
@@ -1043,6 +1054,7 @@ class BaseWorker(Generic[S]):
                         rt.stopping and is_cancellation(exc)
                     ):
                         # Stop before the rollback makes the message due again (see _consume).
+                        bailed.append(exc)
                         self._fail(exc, f"the handler of {reg.source.name}")
                     raise
                 if result is None:
@@ -1055,6 +1067,14 @@ class BaseWorker(Generic[S]):
             for env in leased:
                 self._settle(reg, env, "release")
             raise
+        except BaseException:
+            # SystemExit, KeyboardInterrupt, a cancellation of the handler's own: the rollback
+            # took the attempt with it. Recorded apart (as a nack records a lease-mode one), or
+            # the message is due again at once, uncounted: it stops the next worker too, and
+            # never reaches its last attempt.
+            if bailed and handling:
+                self._record_bailed(reg, handling[-1], bailed[0])
+            raise
         envelope, error, outcome = result
         # Hooks run after the commit, so they report what the database now holds.
         if error is None:
@@ -1063,6 +1083,15 @@ class BaseWorker(Generic[S]):
             log_failure(reg.source.name, envelope.key, envelope.attempt, error, outcome)
             self.hooks.failed(reg.source.name, envelope, error, outcome or NackOutcome.STALE)
         return self._after_one(reg, ahead)
+
+    def _record_bailed(self, reg: Registration, env: Envelope[Any], error: BaseException) -> None:
+        """Record the failed attempt of a transactional handler whose transaction rolled back
+        (see ``DelayedQueue.record_failure``); an entity queue's row is due again, uncounted."""
+        if getattr(reg.source, "record_failure", None) is None:
+            return
+        outcome = self._settle(reg, env, "record", error)
+        log_failure(reg.source.name, env.key, env.attempt, error, outcome)
+        self.hooks.failed(reg.source.name, env, error, outcome or NackOutcome.STALE)
 
     def _after_one(self, reg: Registration, ahead: Ahead) -> Taken:
         """After a transactional message: take again at once unless its take saw that nothing

@@ -317,6 +317,14 @@ class AsyncQueue(Generic[T]):
         return await session.run_sync(self.queue.controls)
 
 
+def _cancelled_from_outside() -> bool:
+    """Whether the running task was cancelled by ``cancel()`` (Python 3.11+ can tell), as
+    opposed to a ``CancelledError`` a handler raised or got from a future someone cancelled."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return cancelling is not None and cancelling() > 0
+
+
 def _resolve(wakeup: asyncio.Future[None]) -> bool:
     """Wake one waiter; False when it no longer waits (timed out or cancelled)."""
     if wakeup.done():
@@ -372,7 +380,15 @@ class AsyncRuntime:
         args = tuple(self._async_of.get(a, a) if isinstance(a, Session) else a for a in args)
         result = handler(*args)
         if inspect.isawaitable(result):
-            result = await_only(result)
+            try:
+                result = await_only(result)
+            except asyncio.CancelledError:
+                if _cancelled_from_outside():
+                    # Its consumer task was cancelled (the event loop shutting down cancels
+                    # every task, run() among them, in no set order): a stop, not the
+                    # handler's own failure. Its message is released, no attempt counted.
+                    self.request_stop()
+                raise
         # A plain result: the handler already ran to its end (awaiting it again would run
         # nothing twice). One that still holds work (a missing await) fails the attempt.
         return refuse_unrun(handler, result, awaits=True)

@@ -20,6 +20,7 @@ the supervisor into the handlers' processes. Children log with their process id.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -42,6 +43,17 @@ CHILD_ENV = "DELAYEDQ_WORKER_PROCESS"
 QUICK_EXIT = 5.0
 #: Quick exits in a row (of any one slot) after which the supervisor gives up.
 MAX_QUICK_EXITS = 3
+
+
+#: ``prctl`` option (Linux): the signal a process gets when its parent dies.
+PR_SET_PDEATHSIG = 1
+
+
+def _stop_with_the_supervisor() -> None:
+    """In a child, before it runs (Linux): SIGTERM when the supervisor dies, so a supervisor
+    killed with SIGKILL (the OOM killer, ``kill -9``) leaves no worker running unsupervised,
+    for ever, beside those of the supervisor that replaces it."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -94,10 +106,15 @@ class _Supervisor:
                     slot.proc.send_signal(sig)
 
     def _start(self, slot: _Slot) -> None:
+        if self.stopping:  # a signal came while the children started, or during a backoff
+            return
         env = {**os.environ, CHILD_ENV: str(slot.number)}
-        slot.proc = subprocess.Popen(self.command, env=env)
+        orphan_guard = _stop_with_the_supervisor if sys.platform == "linux" else None
+        slot.proc = subprocess.Popen(self.command, env=env, preexec_fn=orphan_guard)
         slot.started = time.monotonic()
         log.info("worker process %d started: pid %d", slot.number, slot.proc.pid)
+        if self.stopping:  # the signal came while it started: it was not among those told
+            slot.proc.send_signal(signal.SIGKILL if self.killing else signal.SIGTERM)
 
     def run(self) -> int:
         previous = {
@@ -149,7 +166,8 @@ class _Supervisor:
         """Start a replacement for a child that exited on its own; the status to give up
         with when it keeps failing at start."""
         how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
-        if time.monotonic() - slot.started < QUICK_EXIT and code > 0:
+        # Killed by a signal counts too: a crash at import (a segfault) is no less a failure.
+        if time.monotonic() - slot.started < QUICK_EXIT and code != 0:
             slot.quick_exits += 1
             if slot.quick_exits >= MAX_QUICK_EXITS:
                 log.error(
@@ -161,7 +179,7 @@ class _Supervisor:
                     slot.quick_exits,
                     QUICK_EXIT,
                 )
-                return code
+                return code if code > 0 else 1
             time.sleep(min(2.0**slot.quick_exits, 10.0))
         else:
             slot.quick_exits = 0

@@ -388,6 +388,48 @@ def test_a_cancelled_async_worker_run_leaves_no_consumer_behind(async_backend):
         assert m2 is not None and m2.lock_token is None and m2.attempts == 0
 
 
+def test_an_event_loop_shutdown_releases_the_async_handler_s_message_uncounted(async_backend):
+    """``asyncio.run()`` ending with ``run()`` still in a task cancels every task left, the
+    worker's consumers too, in no set order. A consumer cancelled before ``run()`` took the
+    handler's ``CancelledError`` for the handler's own: the attempt counted (the last one
+    buried the message, its handler never failed) and the worker stopped on a WorkerError. Now
+    it is a stop: the message is released, no attempt counted."""
+    q: DelayedQueue[Any] = DelayedQueue(
+        "loop-shutdown", lease=timedelta(seconds=30), retry=ExponentialBackoff(max_attempts=1)
+    )
+    with async_backend.sync.Session.begin() as s:
+        q.offer(s, "k", {"v": 1})
+    started: list[str] = []
+
+    async def handler(env: Envelope[Any]) -> None:
+        started.append(env.key)
+        await asyncio.sleep(30)
+
+    async def scenario() -> AsyncWorker:
+        worker = AsyncWorker(async_backend.sessions, concurrency=1, poll_interval=0.02)
+        worker.register(q, handler)
+        task = asyncio.create_task(worker.run(install_signal_handlers=False))
+        for _ in range(1500):
+            if started:
+                break
+            await asyncio.sleep(0.02)
+        assert started == ["k"]
+        # What asyncio.run() does on its way out, in the order that lost the message.
+        for other in asyncio.all_tasks() - {task, asyncio.current_task()}:
+            other.cancel()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return worker
+
+    worker = asyncio.run(scenario())
+    assert worker.failure is None
+    with async_backend.sync.Session() as s:
+        info = q.get(s, "k")
+    assert info is not None and info.lock_token is None
+    assert info.attempts == 0 and info.last_error is None  # released, not failed or dead
+
+
 def test_the_asyncio_worker_does_not_run_a_handler_twice_when_it_returned_no_awaitable():
     """Defence in depth behind the registration check: a callable that returned a plain value
     has already run to its end; that is its outcome (awaiting it would fail and retry it)."""

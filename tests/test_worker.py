@@ -332,8 +332,8 @@ def test_a_handler_raising_a_base_exception_stops_the_worker_loudly(
     """``sys.exit()`` in a library, a ``KeyboardInterrupt``: not an ``Exception``, so it ended
     its consumer without a word. The worker ran on with no consumer (``failure`` None), and in
     lease mode the heartbeat kept the message leased for ever, no attempt counted. Now the
-    worker stops with the error; a lease-mode attempt is recorded, and a transactional take
-    rolls back (the message is due, its attempt not recorded, as for a crash)."""
+    worker stops with the error and the attempt is recorded; in transactional mode too, after
+    the rollback: uncounted, the message stopped every next worker at once and never died."""
     q: DelayedQueue[Any] = DelayedQueue("base-exc", lease=timedelta(seconds=1))
     offer(backend, q, "poison")
     runs: list[str] = []
@@ -359,11 +359,8 @@ def test_a_handler_raising_a_base_exception_stops_the_worker_loudly(
     with backend.Session() as s:
         info = q.get(s, "poison")
     assert info is not None and info.lock_token is None  # not held by a lease
-    if mode == "lease":  # a failed attempt: scheduled for its retry
-        assert info.state is State.SCHEDULED
-        assert info.attempts == 1 and raised.__name__ in (info.last_error or "")
-    else:
-        assert info.state is State.DUE and info.attempts == 0
+    assert info.state is State.SCHEDULED  # a failed attempt: scheduled for its retry
+    assert info.attempts == 1 and raised.__name__ in (info.last_error or "")
 
 
 def test_a_batch_handler_that_empties_its_list_still_has_every_message_acknowledged(
@@ -1650,3 +1647,22 @@ def test_a_take_that_fails_after_an_ack_loses_neither_the_ack_nor_a_message(
     assert sorted(k for _, k, _ in hooks.processed_) == sorted(delivered)
     assert hooks.failed_ == [] and hooks.redelivered_ == []
     assert len(hooks.db_errors) == (1 if error == "transient" else 0)
+
+
+def test_a_backlog_in_the_first_queue_does_not_hold_back_the_queues_after_it(backend, make_worker):
+    """A consumer whose first queue always had more due took from it again and again (chaining
+    its takes to its acknowledgements) and never looked at the worker's other queues until the
+    first one drained: a due message of the second queue waited behind the whole backlog."""
+    bulk: DelayedQueue[Any] = DelayedQueue("backlog-first")
+    behind: DelayedQueue[Any] = DelayedQueue("registered-second")
+    handled: list[str] = []
+    with backend.Session.begin() as s:
+        bulk.offer_batch(s, [(f"b{i:04d}", {}) for i in range(300)])
+        behind.offer(s, "waiting", {})
+
+    worker = make_worker(backend, concurrency=1, poll_interval=5.0, listen=False)
+    worker.register(bulk, lambda env: handled.append(env.key))
+    worker.register(behind, lambda env: handled.append(env.key))
+    with running(worker):
+        assert wait_for(lambda: "waiting" in handled, 30)
+    assert handled.index("waiting") <= 50, handled.index("waiting")  # not after all 300

@@ -7,6 +7,7 @@ handlers did from their event file (``start KEY PID`` / ``done KEY PID``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -156,6 +157,108 @@ def test_a_worker_that_cannot_start_stops_the_supervisor(backend, supervise, tmp
     assert run.proc.wait(90) == 1, run.text()
     assert "times in a row within 5 s of its start: stopping" in run.text()
     assert "does not exist" in run.text() or "no such table" in run.text()
+
+
+CHILD = """
+import pathlib, signal, sys, time
+flag = pathlib.Path(sys.argv[1])
+if not flag.exists():
+    flag.write_text("failed")
+    sys.exit(1)  # the first start fails: the supervisor backs off before the next
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_a_sigterm_during_a_restart_backoff_stops_the_replacement_too(tmp_path):
+    """A child failed at its start; SIGTERM came while the supervisor waited before replacing
+    it. The replacement was started after every running child had been told to stop, and
+    never told: the supervisor waited for it for ever."""
+    flag = tmp_path / "failed-once"
+    command = [sys.executable, "-c", CHILD, str(flag)]
+    supervisor = (
+        "import sys; from sqla_delayedq.processes import _Supervisor; "
+        f"sys.exit(_Supervisor({command!r}, 1).run())"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", supervisor], cwd=REPO)
+    try:
+        deadline = time.monotonic() + 60
+        while not flag.exists():
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.02)
+        time.sleep(0.5)  # the child exited, the supervisor waits 2 s before its replacement
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 1  # the failed child's status; the replacement never ran
+    finally:
+        if proc.poll() is None:
+            for pid in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split():
+                os.kill(int(pid), signal.SIGKILL)
+            proc.kill()
+            proc.wait()
+
+
+def test_a_worker_killed_by_a_signal_at_each_start_stops_the_supervisor(tmp_path):
+    """A child that died of a signal within seconds of its start (a segfault at import) was
+    replaced at once, for ever: no backoff and no end, unlike one that exited with a status."""
+    crash = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    supervisor = (
+        "import sys; from sqla_delayedq.processes import _Supervisor; "
+        f"sys.exit(_Supervisor({[sys.executable, '-c', crash]!r}, 1).run())"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", supervisor], cwd=REPO, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1
+    assert "was killed by SIGKILL 3 times in a row within 5 s of its start: stopping" in err
+
+
+WAITING_CHILD = """
+import os, pathlib, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+pathlib.Path(sys.argv[1], str(os.getpid())).touch()
+while True:
+    time.sleep(0.1)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG)")
+def test_worker_processes_stop_when_their_supervisor_is_killed(tmp_path):
+    """A supervisor killed with SIGKILL left its children running, orphaned, for ever; a
+    supervisor started in its place then ran N more beside them."""
+    command = [sys.executable, "-c", WAITING_CHILD, str(tmp_path)]
+    supervisor = (
+        "import sys; from sqla_delayedq.processes import _Supervisor; "
+        f"sys.exit(_Supervisor({command!r}, 2).run())"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", supervisor], cwd=REPO)
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(pids := [int(p.name) for p in tmp_path.iterdir()]) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 20
+
+        def running(pid: int) -> bool:
+            status = Path(f"/proc/{pid}/status")
+            return status.exists() and "zombie" not in status.read_text()
+
+        while any(running(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [pid for pid in pids if running(pid)]
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize(
