@@ -254,7 +254,8 @@ def doctor(
 
     Names the sessions, replication slots and prepared transactions that pin the vacuum
     horizon (PostgreSQL) or the oldest InnoDB transactions and the history list (MariaDB/MySQL),
-    and the message table's dead rows and sizes; see docs/operations.md. Exits 0 either way.
+    the message table's dead rows and sizes, and how far this host's clock is from the
+    server's; see docs/operations.md. Exits 0 either way.
     """
     from .doctor import as_dict, diagnose
 
@@ -289,6 +290,10 @@ def doctor(
         )
     if found.history_length is not None:
         console.print(f"InnoDB history list length: {found.history_length:,}")
+    if found.clock_skew_seconds is not None:
+        console.print(
+            f"clock skew: this host is {found.clock_skew_seconds:+.3f} s off the database server"
+        )
     if found.healthy:
         console.print(f"{found.backend}: nothing holds the horizon; no bloat to report.")
     for line in found.advice:

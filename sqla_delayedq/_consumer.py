@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, NamedTuple, Protocol, T
 
 from sqlalchemy.orm import Session
 
-from . import _planner, controls
+from . import _planner, _skew, controls
 from . import _statements as st
 from ._dialects import TAKE_ONLY, Listener, is_transient, strategy_class
 from ._handlers import is_cancellation
 from ._leases import Ahead, LeasedQueue, Polled, leases_apart
-from ._time import require_duration
+from ._time import Clock, require_duration
 from ._types import Envelope, NackOutcome
 from ._wakeup import Wake
 from .errors import InvalidArgument, WorkerError
@@ -191,6 +191,7 @@ class Source(Protocol):
 
     name: str
     lease: timedelta
+    clock: Clock
     retry_policy: RetryPolicy
     shape: st.Shape
 
@@ -648,9 +649,15 @@ class BaseWorker(Generic[S]):
         return listener
 
     def _side_tasks(self, bind: Any) -> list[Periodic]:
-        """The periodic tasks to run: the registered ones, and where the backend needs it the
-        planner statistics keeper of the worker's tables."""
+        """The periodic tasks to run: the registered ones, the clock skew check of the queues
+        on the system clock, and where the backend needs it the planner statistics keeper of
+        the worker's tables."""
         tasks = list(self._periodic)
+        checked = [r for r in self._registrations if _skew.checked(r.source)]
+        if checked:
+            leases = [(r.source.name, r.lease) for r in checked]
+            check = _skew.SkewCheck(self.name, checked[0].source.clock, leases)
+            tasks.append(Periodic("clock skew check", check, _skew.CHECK_EVERY))
         if not self.keep_statistics or bind is None:
             return tasks
         engine = getattr(bind, "sync_engine", bind)

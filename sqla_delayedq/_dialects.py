@@ -51,6 +51,7 @@ from . import _statements as st
 from ._engine import Family, family, is_mariadb
 from ._rules import INSERT_COLUMNS, held_due, lost_token
 from ._statements import P, Shape
+from ._time import DateTimeUTC
 from ._wakeup import Wake, payload_tail
 from ._wakeup import parse as parse_wake
 from .errors import DelayedQueueError, TransientError, UnsupportedBackend
@@ -314,6 +315,11 @@ class Strategy(abc.ABC):
         """Insert-if-absent for a row the transaction will then lock ``FOR UPDATE``."""
         return self.insert_ignore(t)
 
+    def server_now(self, session: Session | Connection) -> datetime | None:
+        """The database server's current UTC time, read now (not at the transaction's start),
+        for a clock-skew check; None where the database runs on this host's clock (SQLite)."""
+        return None
+
     def snapshot_may_be_old(self, session: Session) -> bool:
         """Whether a plain read in the session's transaction may miss commits made before the
         transaction's last lock was granted (it then reads with a shared lock instead)."""
@@ -480,6 +486,10 @@ class PostgreSQLStrategy(Strategy):
     autocommit_offer = True
     keeps_statistics = True
     sees_rows_of_awaited_transactions = False
+
+    def server_now(self, session: Session | Connection) -> datetime | None:
+        # now() is the transaction's start; clock_timestamp() the moment it is read.
+        return session.execute(select(func.clock_timestamp(type_=DateTimeUTC()))).scalar_one()
 
     def group_hold(self, transactional: bool) -> st.GroupLock:
         # A lease take holds the group too: only for its own short transaction, with no extra
@@ -771,6 +781,9 @@ class MySQLStrategy(Strategy):
         # for the FOR UPDATE that follows deadlock. A no-op ON DUPLICATE KEY UPDATE locks it
         # exclusively instead.
         return mysql.insert(t).on_duplicate_key_update(id=t.c.id)
+
+    def server_now(self, session: Session | Connection) -> datetime | None:
+        return session.execute(select(func.utc_timestamp(6, type_=DateTimeUTC()))).scalar_one()
 
     def group_hold(self, transactional: bool) -> st.GroupLock:
         # A lease take only checks that no transactional take holds the group: its lease marks

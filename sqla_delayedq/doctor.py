@@ -14,6 +14,8 @@ history list. ``docs/operations.md`` explains the failure and the remedies.
   (PostgreSQL); the oldest open InnoDB transactions and the history list length (MariaDB/MySQL);
 - each message table's live and dead rows, its heap and index sizes, and when autovacuum last
   ran and whether it is due (PostgreSQL);
+- how far this host's clock is from the database server's (the queue decides by the
+  application's clock: see ``docs/operations.md``);
 - advice, one line per finding.
 
 ``delayedq doctor`` prints it; :class:`~sqla_delayedq.metrics.QueueStatsCollector` can export the
@@ -24,11 +26,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Connection, text
 
+from . import _skew
 from ._codec import check_strings
 from ._engine import Family, family
 
@@ -89,6 +92,8 @@ class Diagnosis:
     tables: list[TableHealth] = field(default_factory=list)
     #: InnoDB's history list length (undo records purge has not removed), MariaDB/MySQL.
     history_length: int | None = None
+    #: This host's clock minus the database server's, in seconds (None on SQLite).
+    clock_skew_seconds: float | None = None
     advice: list[str] = field(default_factory=list)
 
     @property
@@ -117,6 +122,12 @@ def diagnose(
     if kind is Family.MYSQL:
         return _mysql(conn, threshold)
     return Diagnosis("SQLite")
+
+
+def _skew_seconds(conn: Connection) -> float:
+    skew = _skew.measure(conn)
+    assert skew is not None  # a server has a clock of its own
+    return skew.total_seconds()
 
 
 # -- PostgreSQL -----------------------------------------------------------------------------------
@@ -168,7 +179,7 @@ _PG_TABLE = text(
 
 
 def _postgresql(conn: Connection, tables: Sequence[str], threshold: float) -> Diagnosis:
-    found = Diagnosis("PostgreSQL")
+    found = Diagnosis("PostgreSQL", clock_skew_seconds=_skew_seconds(conn))
     params = {"threshold": threshold}
     for r in conn.execute(_PG_SESSIONS, params):
         found.holders.append(
@@ -249,7 +260,11 @@ _HISTORY = text(
 
 def _mysql(conn: Connection, threshold: float) -> Diagnosis:
     history = conn.execute(_HISTORY).scalar()
-    found = Diagnosis("MariaDB/MySQL", history_length=None if history is None else int(history))
+    found = Diagnosis(
+        "MariaDB/MySQL",
+        history_length=None if history is None else int(history),
+        clock_skew_seconds=_skew_seconds(conn),
+    )
     for r in conn.execute(_INNODB_TRX, {"threshold": threshold}):
         found.holders.append(
             HorizonHolder(
@@ -330,6 +345,13 @@ def _advice(found: Diagnosis, *, postgresql: bool) -> list[str]:
         lines.append(
             f"InnoDB's history list is {found.history_length:,} long: purge is behind, usually "
             "because of a long transaction; end it."
+        )
+    skew = found.clock_skew_seconds
+    if skew is not None and abs(skew) > _skew.WARN_ABOVE:
+        lines.append(
+            f"this host's clock is {_skew.describe(timedelta(seconds=skew))} the database "
+            "server's: messages run that much early or late, and a skew of half a lease lets "
+            "workers run a message twice at the same time; keep the clocks in sync with NTP."
         )
     return lines
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+import time
+from datetime import datetime, timedelta, timezone
 from typing import cast
 
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql, postgresql, sqlite
+from sqlalchemy.orm import Session
 
 from sqla_delayedq import DelayedMessage, UnsupportedBackend
 from sqla_delayedq import _statements as st
@@ -17,7 +19,9 @@ from sqla_delayedq._dialects import (
     PostgreSQLStrategy,
     is_transient,
     strategy_class,
+    strategy_for,
 )
+from sqla_delayedq.testing import memory_engine
 
 T = cast(sa.Table, DelayedMessage.__table__)
 NOW = datetime(2030, 1, 1, tzinfo=timezone.utc)
@@ -86,3 +90,22 @@ def test_a_statement_cut_off_by_a_timeout_is_transient(server_backend):
         with pytest.raises(sa.exc.OperationalError) as caught:
             conn.execute(slow)
     assert is_transient(caught.value)
+
+
+def test_the_database_servers_clock_is_read_now_and_in_utc(server_backend):
+    """The clock-skew check's reading: the server's time as the statement runs (not the
+    transaction's start), aware and in UTC, within a second of ours (server and tests share a
+    host); SQLite has no clock of its own."""
+    with server_backend.Session() as s:
+        strategy = strategy_for(s)
+        first = strategy.server_now(s)
+        time.sleep(0.05)
+        second = strategy.server_now(s)
+    assert first is not None and second is not None
+    assert first.tzinfo is timezone.utc
+    assert second - first >= timedelta(seconds=0.04)  # in one transaction
+    assert abs(datetime.now(timezone.utc) - second) < timedelta(seconds=1)
+    engine = memory_engine()
+    with Session(engine) as s:
+        assert strategy_for(s).server_now(s) is None
+    engine.dispose()

@@ -10,11 +10,13 @@ import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
+from sqla_delayedq import _skew
 from sqla_delayedq.doctor import diagnose
 from tests.test_cli import invoke, url_of
 
@@ -121,6 +123,7 @@ def test_doctor_has_nothing_to_report_on_sqlite(tmp_path):
     with engine.connect() as conn:
         found = diagnose(conn, ["delayed_queue"])
     assert found.healthy and not found.holders and not found.tables
+    assert found.clock_skew_seconds is None  # the database runs on this host's clock
     result = invoke(f"sqlite:///{tmp_path / 'q.db'}", "doctor")
     assert result.exit_code == 0, result.output
     assert "nothing holds the horizon" in result.stdout
@@ -151,3 +154,25 @@ def test_the_health_collector_exports_the_horizon_age(server_backend):
         assert dead is not None and dead >= 0
     else:
         assert registry.get_sample_value("delayedq_innodb_history_length") is not None
+
+
+def test_doctor_reports_how_far_this_hosts_clock_is_from_the_servers(server_backend, monkeypatch):
+    """In step (server and tests share a host): the figure, and no advice. Ten minutes fast:
+    the advice says what it risks and to sync the clocks."""
+    with server_backend.engine.connect() as conn:
+        found = diagnose(conn, ["delayed_queue"])
+    assert found.clock_skew_seconds is not None and abs(found.clock_skew_seconds) < 1
+    assert not [line for line in found.advice if "clock" in line], found.advice
+    url = url_of(server_backend.url)
+    assert "clock skew: this host is " in invoke(url, "doctor").stdout
+    report = json.loads(invoke(url, "doctor", "--json").stdout)
+    assert abs(report["clock_skew_seconds"]) < 1
+
+    fast = lambda: datetime.now(timezone.utc) + timedelta(minutes=10)  # noqa: E731
+    monkeypatch.setattr(_skew, "system_clock", fast)
+    with server_backend.engine.connect() as conn:
+        found = diagnose(conn, ["delayed_queue"])
+    assert found.clock_skew_seconds is not None and 599 < found.clock_skew_seconds < 601
+    advice = [line for line in found.advice if "clock" in line]
+    assert len(advice) == 1 and "600.0 s ahead of" in advice[0] and "NTP" in advice[0]
+    assert not found.healthy

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -31,7 +32,7 @@ from sqla_delayedq import (
     controls,
 )
 from sqla_delayedq.entity import EntityQueue
-from sqla_delayedq.errors import InvalidArgument
+from sqla_delayedq.errors import InvalidArgument, TransientError
 from sqla_delayedq.models import controls_table, stats_table, workers_table
 from sqla_delayedq.worker import Worker
 from tests.entity_app.models import Base as EntityBase
@@ -587,6 +588,31 @@ def test_actions_need_the_csrf_token_and_the_same_origin(
     assert by_referer.status_code == 303
 
 
+def test_a_non_ascii_cookie_origin_or_referer_is_refused_not_a_crash(
+    backend: Backend, app: Any
+) -> None:
+    """hmac.compare_digest raises TypeError on str with non-ASCII characters: a session cookie,
+    an Origin or a Referer holding one was a 500 instead of a 401 or 403."""
+    anonymous = client_for(app, auth=False)
+    response = anonymous.get("/", headers={b"cookie": "delayedq_session=\u00e9t\u00e9".encode()})
+    assert response.status_code == 401
+    client = client_for(app)
+    data = {"csrf": csrf_of(client), "action": "retry", "table": "delayed_queue", "queue": "emails"}
+    for header in ("origin", "referer"):
+        response = client.post(
+            "/actions",
+            data={**data, "state": "dead"},
+            headers={header.encode(): "http://t\u00e9st.example/".encode()},
+            follow_redirects=False,
+        )
+        assert response.status_code == 403, header
+        assert "Refused" in error_text(response.text)
+    response = anonymous.post(
+        "/login", data={"token": TOKEN}, headers={b"origin": "http://t\u00e9st.example".encode()}
+    )
+    assert response.status_code == 403
+
+
 def test_read_only_unless_actions_are_enabled(backend: Backend) -> None:
     q = queue()
     offer(backend, q, 1)
@@ -794,6 +820,73 @@ def test_a_bulk_action_changes_no_more_than_its_confirmation_showed(
     with backend.Session() as s:
         dead = sorted(m.key for m in q.search(s, MessageFilter(state="dead")))
     assert dead == ["new/0", "new/1", "new/2"]
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        TransientError("reschedule hit a transient database error (Lock wait timeout exceeded)"),
+        sa.exc.OperationalError(
+            "SELECT 1", {}, Exception('connection to server at "10.9.8.7", port 5432 failed')
+        ),
+        RuntimeError("a bug"),
+    ],
+    ids=["transient", "connection", "unexpected"],
+)
+def test_a_bulk_action_stopped_by_an_error_says_so_without_connection_details(
+    backend: Backend, client: TestClient, monkeypatch: pytest.MonkeyPatch, error: Exception
+) -> None:
+    """A transient error (a lock wait timeout on a row a transactional handler holds) or any
+    error but ours and SQLAlchemy's ended a bulk action half-way while its page said "Done: 7
+    messages changed."; a connection error showed the server's address on the page."""
+    monkeypatch.setattr(_data, "CHUNK", 7)
+    q = queue()
+    offer(backend, q, 14)
+    kill(backend, q, 14)
+    apply = _data.Data._apply
+    chunks: list[str] = []
+
+    def second_chunk_fails(self: Any, action: str, *args: Any) -> int:
+        chunks.append(action)
+        if len(chunks) == 2:
+            raise error
+        return apply(self, action, *args)
+
+    monkeypatch.setattr(_data.Data, "_apply", second_chunk_fails)
+    data = {"action": "retry", "table": "delayed_queue", "queue": "emails", "state": "dead"}
+    response = post(client, {**data, "csrf": csrf_of(client)})
+    html = wait_for_job(client, response.headers["location"])
+    assert "Stopped on an error after 7 of 14" in html and "Done" not in html
+    assert "10.9.8.7" not in html and "5432" not in html
+    with backend.Session() as s:
+        assert q.counts(s).dead == 7
+
+
+@pytest.mark.parametrize("state", ["", "pending"])
+def test_process_now_confirms_no_message_in_flight(
+    backend: Backend, client: TestClient, state: str
+) -> None:
+    """Process now leaves messages in flight alone (they keep their lease), but its
+    confirmation counted them: "This will change 4 messages", then "Done: 3 messages
+    changed"."""
+    q = queue()
+    with backend.Session() as s, s.begin():
+        q.offer(s, "busy", {"x": 1})
+        for i in range(3):
+            q.offer(s, f"later/{i}", {"i": i}, at=datetime.now(UTC) + timedelta(hours=1))
+    with backend.Session() as s, s.begin():
+        [taken] = q.try_poll_many(s, 1)  # a worker's lease: in flight
+    html = client.get(
+        f"/confirm?action=process_now&table=delayed_queue&queue=emails&state={state}"
+    ).text
+    assert "This will change <strong>3</strong> messages" in html
+    hidden = dict(re.findall(r'<input type="hidden" name="(\w+)" value="([^"]*)">', html))
+    response = post(client, hidden)
+    html = wait_for_job(client, response.headers["location"])
+    assert "Done: 3 messages changed." in html and '<progress max="3" value="3">' in html
+    with backend.Session() as s:
+        busy = q.get(s, "busy")
+    assert busy is not None and busy.lock_token == taken.lock_token  # its lease is kept
 
 
 def test_bulk_drop_and_process_now(backend: Backend, client: TestClient) -> None:
@@ -1196,6 +1289,47 @@ def test_a_stale_snapshot_is_served_while_it_is_recounted(backend: Backend) -> N
     while shown() != "5":
         assert time.monotonic() < deadline
         time.sleep(0.05)
+    board.data.close()
+
+
+def test_the_overview_after_an_action_never_shows_counts_taken_before_it(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A background recount that began before an action kept its snapshot after the action
+    had invalidated it: the view right after a retry waited for that recount and still showed
+    the message dead (and so did every view for the next counts_ttl)."""
+    q = queue()
+    offer(backend, q, 1)
+    kill(backend, q, 1)
+    board = dashboard(backend.Session, token=TOKEN, actions=True, counts_ttl=2)
+    client = client_for(board)
+    dead = re.compile(r'class="n dead[^"]*"><a [^>]*>(\d+)<')
+
+    def shown() -> str:
+        found = dead.search(client.get("/").text)
+        assert found is not None
+        return found.group(1)
+
+    assert shown() == "1"
+    take = _data.Data._take_overview
+    counted, go_on = threading.Event(), threading.Event()
+
+    def slow_recount(self: Any) -> Any:
+        snap = take(self)
+        if threading.current_thread().name == "delayedq-web-counts":
+            counted.set()  # a big table: the recount has read the counts, and is still busy
+            go_on.wait(10)
+        return snap
+
+    monkeypatch.setattr(_data.Data, "_take_overview", slow_recount)
+    time.sleep(2.1)
+    assert shown() == "1"  # stale: served at once, recounted in the background
+    assert counted.wait(10)
+    [id] = ids_in(client.get("/messages?table=delayed_queue&queue=emails").text)
+    data = {"action": "retry", "table": "delayed_queue", "queue": "emails", "id": str(id)}
+    assert post(client, {**data, "csrf": csrf_of(client, "/workers")}).status_code == 303
+    threading.Timer(0.3, go_on.set).start()  # the recount ends while the next view waits
+    assert shown() == "0"
     board.data.close()
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import subprocess
 import sys
 import threading
@@ -31,11 +32,18 @@ from sqla_delayedq import (
     State,
     TransientError,
     WorkerError,
+    _skew,
 )
 from sqla_delayedq._dialects import PostgreSQLStrategy
 from sqla_delayedq._wakeup import parse as parse_wake
 from sqla_delayedq._wakeup import payload as wake_payload
-from sqla_delayedq.testing import Drained, assert_not_offered, drain, drain_async
+from sqla_delayedq.testing import (
+    Drained,
+    ManualClock,
+    assert_not_offered,
+    drain,
+    drain_async,
+)
 from sqla_delayedq.worker import Worker, WorkerHooks
 from tests.fix_workers import AsyncRunner, running, waiting
 
@@ -1666,3 +1674,40 @@ def test_a_backlog_in_the_first_queue_does_not_hold_back_the_queues_after_it(bac
     with running(worker):
         assert wait_for(lambda: "waiting" in handled, 30)
     assert handled.index("waiting") <= 50, handled.index("waiting")  # not after all 300
+
+
+# -- clock skew -------------------------------------------------------------------------------
+
+
+def test_a_worker_whose_clock_is_fast_by_half_a_lease_says_messages_may_run_twice(
+    server_backend, make_worker, caplog, monkeypatch
+):
+    """The queue decides by the host's clock: one 10 minutes ahead of the database server's
+    sees other workers' leases as run out. The worker says so at start (and runs on)."""
+    fast = lambda: utcnow() + timedelta(minutes=10)  # noqa: E731
+    monkeypatch.setattr(_skew, "system_clock", fast)  # this host's system clock is fast
+    q: DelayedQueue[Any] = DelayedQueue("skewed", lease=timedelta(minutes=5), clock=fast)
+    worker = make_worker(server_backend, concurrency=1, poll_interval=0.05, listen=False)
+    worker.register(q, lambda env: None)
+    with caplog.at_level("WARNING", logger="sqla_delayedq"), running(worker):
+        assert wait_for(lambda: "run twice" in caplog.text, 30), caplog.text
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1, errors
+    assert "600.0 s ahead of the database server's" in errors[0]
+    assert "skewed" in errors[0] and "NTP" in errors[0]
+
+
+def test_a_worker_in_step_with_the_database_and_a_test_clock_log_nothing(
+    server_backend, make_worker, caplog
+):
+    """A host within a second of the database logs nothing above DEBUG; a queue on an injected
+    clock (a test's, far from the database's on purpose) is not checked."""
+    q: DelayedQueue[Any] = DelayedQueue("in-step", lease=timedelta(seconds=1))
+    manual: DelayedQueue[Any] = DelayedQueue("manual", clock=ManualClock())
+    worker = make_worker(server_backend, concurrency=1, poll_interval=0.05, listen=False)
+    worker.register(q, lambda env: None).register(manual, lambda env: None)
+    with caplog.at_level("DEBUG", logger="sqla_delayedq.worker"), running(worker):
+        assert wait_for(lambda: "the database server's" in caplog.text, 30), caplog.text
+    skew = [r.getMessage() for r in caplog.records if "the database server's" in r.getMessage()]
+    assert len(skew) == 1 and "manual" not in skew[0], skew
+    assert [r.levelname for r in caplog.records if r.levelno >= logging.WARNING] == []

@@ -24,7 +24,7 @@ from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
-from sqlalchemy.exc import DBAPIError, ProgrammingError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData
@@ -43,6 +43,7 @@ from ._data import (
     MESSAGE_STATES,
     Data,
     NotFound,
+    database_problem,
     describe,
     parse_filter,
 )
@@ -175,7 +176,7 @@ class Dashboard:
         ):
             return True
         cookie = request.cookies.get(SESSION_COOKIE, "")
-        return bool(cookie) and hmac.compare_digest(cookie, self._session_value())
+        return bool(cookie) and hmac.compare_digest(cookie.encode(), self._session_value().encode())
 
     async def _guard(self, request: Request) -> Response | None:
         """None when the request may proceed; else the response that refuses it."""
@@ -230,7 +231,8 @@ class Dashboard:
                 return False
             parts = urlsplit(referer)
             origin = f"{parts.scheme}://{parts.netloc}"
-        return hmac.compare_digest(origin.lower(), expected.lower())
+        # Bytes: compare_digest refuses str with non-ASCII characters (a TypeError, a 500).
+        return hmac.compare_digest(origin.lower().encode(), expected.lower().encode())
 
     async def _check_post(self, request: Request) -> FormData:
         if not self.actions:
@@ -509,7 +511,7 @@ class Dashboard:
                 shown = self._shown(params)
                 info = await run_in_threadpool(self.data.message, table, queue, id, shown)
                 where = self.data.action_filter(action, MessageFilter(keys=(info.key,)))
-                count = await run_in_threadpool(self.data.count, table, queue, where)
+                count = await run_in_threadpool(self.data.count, table, queue, where, action)
                 fields = [
                     ("table", table),
                     ("queue", queue),
@@ -519,7 +521,7 @@ class Dashboard:
                 what = f"message {info.key!r} of queue {queue}"
             else:
                 where = self.data.action_filter(action, self._filter(params))
-                count, upto = await run_in_threadpool(self.data.bound, table, queue, where)
+                count, upto = await run_in_threadpool(self.data.bound, table, queue, where, action)
                 fields = [
                     ("table", table),
                     ("queue", queue),
@@ -730,24 +732,6 @@ def period_field(form: Any, name: str) -> timedelta | None:
             f"{name} must be between {MIN_PERIOD} and {MAX_PERIOD} seconds, got {raw[:40]}"
         )
     return timedelta(seconds=float(raw))
-
-
-def database_problem(exc: SQLAlchemyError) -> str:
-    """What a page says about a database error: the server's complaint about the schema (a
-    missing table or column), never connection details (hosts, users, URLs)."""
-    if isinstance(exc, ProgrammingError) or (
-        isinstance(exc, DBAPIError) and "no such table" in str(exc.orig)
-    ):
-        orig = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
-        lines = [ln.strip() for ln in str(orig).splitlines() if ln.strip()]
-        detail = lines[0] if lines else type(orig).__name__
-        return (
-            f"The database refused the query: {detail}. A missing table of ours is created by "
-            "'delayedq db upgrade'; a table of yours by your own migrations."
-        )
-    return (
-        f"The database could not answer ({type(exc).__name__}); the server's log has the details."
-    )
 
 
 def dashboard(

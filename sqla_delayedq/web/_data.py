@@ -19,8 +19,8 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from sqlalchemy import Engine, and_, func, inspect, select
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy import Engine, and_, bindparam, func, inspect, or_, select
+from sqlalchemy.exc import DBAPIError, ProgrammingError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from .. import _filters as flt
@@ -33,7 +33,7 @@ from .._queue import DelayedQueue
 from .._types import MessageFilter, MessageInfo, State
 from ..controls import QueueControls, from_row
 from ..entity import EntityCounts, EntityQueue, EntityStatus
-from ..errors import InvalidArgument
+from ..errors import DelayedQueueError, InvalidArgument, TransientError
 from ..models import (
     DelayedMessage,
     QueueMessageMixin,
@@ -51,6 +51,7 @@ __all__ = [
     "Job",
     "NotFound",
     "Overview",
+    "database_problem",
 ]
 
 log = logging.getLogger("sqla_delayedq.web")
@@ -218,6 +219,8 @@ class Data:
         self._counting = threading.Lock()
         self._refreshing = False
         self._snapshot: Overview | None = None
+        #: Bumped by every change (:meth:`invalidate`): a count begun before it is not kept.
+        self._generation = 0
         self._jobs: dict[str, Job] = {}
         self._queues: dict[tuple[str, str], RawQueue] = {}
 
@@ -292,18 +295,27 @@ class Data:
             snap = self._snapshot
             if snap is not None and time.monotonic() - snap.seconds < max(self.counts_ttl, 0.001):
                 return snap
+            generation = self._generation
             snap = self._take_overview()
-            self._snapshot = snap
+            self._keep(snap, generation)
             return snap
 
     def _refresh(self) -> None:
         try:
             with self._counting:
-                self._snapshot = self._take_overview()
+                generation = self._generation
+                self._keep(self._take_overview(), generation)
         except Exception:
             log.warning("dashboard: recounting the overview failed", exc_info=True)
         finally:
             self._refreshing = False
+
+    def _keep(self, snap: Overview, generation: int) -> None:
+        """Share ``snap`` unless a change came since its count began (the view after an
+        action counts again, rather than show what the action changed)."""
+        with self._lock:
+            if generation == self._generation:
+                self._snapshot = snap
 
     def _take_overview(self) -> Overview:
         now = self.now()
@@ -421,17 +433,21 @@ class Data:
             found = q.search(s, where, limit=limit + 1, after_id=after)
         return found[:limit], len(found) > limit
 
-    def count(self, table: str, queue: str, where: MessageFilter) -> int:
+    def count(self, table: str, queue: str, where: MessageFilter, action: str | None = None) -> int:
+        """How many messages match ``where`` (with ``action``: and would be changed by it)."""
         q = self.queue(table, queue)
         with self.sessions() as s:
-            return q.count(s, where)
+            return q.count(s, self._changed_by(q, action, where))
 
-    def bound(self, table: str, queue: str, where: MessageFilter) -> tuple[int, int]:
+    def bound(
+        self, table: str, queue: str, where: MessageFilter, action: str | None = None
+    ) -> tuple[int, int]:
         """What a confirmation shows and its action may then change: how many messages match
-        ``where``, and the highest id among them (0 for none)."""
+        ``where`` and would be changed by ``action``, and the highest id among them (0 for
+        none)."""
         q = self.queue(table, queue)
         with self.sessions() as s:
-            return q.count_up_to(s, where)
+            return q.count_up_to(s, self._changed_by(q, action, where))
 
     def message(
         self, table: str, queue: str, id: int, shown: datetime | None = None
@@ -477,6 +493,17 @@ class Data:
             )
         return where
 
+    @staticmethod
+    def _changed_by(q: RawQueue, action: str | None, where: MessageFilter) -> MessageFilter:
+        """``where`` narrowed to the messages ``action`` changes: process now leaves messages
+        in flight alone (they keep their lease), so a count of pending ones leaves them out."""
+        if action != "process_now" or where.state != "pending":
+            return where
+        t = q.table
+        now = bindparam(None, callable_=q.now, type_=t.c.scheduled_at.type)
+        free = or_(t.c.lock_token.is_(None), t.c.scheduled_at <= now)
+        return replace(where, where=free if where.where is None else and_(where.where, free))
+
     def _apply(self, action: str, q: RawQueue, s: Session, where: MessageFilter) -> int:
         if action == "retry":
             return q.requeue_dead(s, where)
@@ -516,7 +543,7 @@ class Data:
         with a higher id (offered since), and never more messages than were shown, though more
         may match by now (died since the confirmation, say)."""
         q = self.queue(table, queue)
-        where = self.action_filter(action, where)
+        where = self._changed_by(q, action, self.action_filter(action, where))
         if upto is not None:
             below = q.table.c.id <= upto
             where = replace(where, where=below if where.where is None else and_(where.where, below))
@@ -560,11 +587,24 @@ class Data:
                     job.changed += self._apply(job.action, q, s, chunk)
                 last = ids[-1]
                 job.done = min(job.total, job.done + len(ids))
-        except (SQLAlchemyError, InvalidArgument) as exc:
+        except TransientError as exc:
+            # A lock held too long (a transactional handler's), a deadlock, a lost connection.
+            log.warning("dashboard: %s stopped: %s", job.description, exc)
+            job.error = (
+                "the database was busy (a lock wait, a deadlock or a lost connection); "
+                "confirm the action again for the rest"
+            )
+        except DelayedQueueError as exc:  # ours: says what to do, no connection details
             job.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        except SQLAlchemyError as exc:
+            log.error("dashboard: %s failed", job.description, exc_info=True)
+            job.error = database_problem(exc)
+        except Exception:
+            log.error("dashboard: %s failed", job.description, exc_info=True)
+            job.error = "an unexpected error; the server's log has the details"
         finally:
             job.finished = True
-            self._snapshot = None
+            self.invalidate()
 
     def job(self, id: str) -> Job:
         found = self._jobs.get(id)
@@ -574,7 +614,9 @@ class Data:
 
     def invalidate(self) -> None:
         """The next overview recounts (after an action)."""
-        self._snapshot = None
+        with self._lock:
+            self._generation += 1
+            self._snapshot = None
 
     # -- queue controls ------------------------------------------------------------------
 
@@ -679,6 +721,24 @@ def entity_state(t: Any, state: str, now: datetime) -> Any:
 
 def _recent(job: Job) -> bool:
     return time.monotonic() - job.started < 3600
+
+
+def database_problem(exc: SQLAlchemyError) -> str:
+    """What a page says about a database error: the server's complaint about the schema (a
+    missing table or column), never connection details (hosts, users, URLs)."""
+    if isinstance(exc, ProgrammingError) or (
+        isinstance(exc, DBAPIError) and "no such table" in str(exc.orig)
+    ):
+        orig = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
+        lines = [ln.strip() for ln in str(orig).splitlines() if ln.strip()]
+        detail = lines[0] if lines else type(orig).__name__
+        return (
+            f"The database refused the query: {detail}. A missing table of ours is created by "
+            "'delayedq db upgrade'; a table of yours by your own migrations."
+        )
+    return (
+        f"The database could not answer ({type(exc).__name__}); the server's log has the details."
+    )
 
 
 def describe(queue: str, f: MessageFilter) -> str:
