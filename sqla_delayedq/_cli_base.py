@@ -399,8 +399,11 @@ def check_message_table(db: Db, *, from_app: bool = False) -> None:
         raise RuntimeFailure(problem)
 
 
-def table_problem(conn: sa.Connection, t: sa.Table, *, from_app: bool = False) -> str | None:
-    """Why ``t`` cannot serve as a message table on ``conn`` (None when it can).
+def table_problem(
+    conn: sa.Connection, t: sa.Table, *, from_app: bool = False, entity: bool = False
+) -> str | None:
+    """Why ``t`` cannot serve as a message table on ``conn`` (None when it can); with
+    ``entity``, as the table of an ``EntityQueue`` (it has the ``EntityQueueMixin`` columns).
 
     A missing table gets the advice that fits whose table it is: ours (``delayed_queue``, made by
     ``delayedq db upgrade``) or the application's (its own migrations). A table made with
@@ -418,6 +421,14 @@ def table_problem(conn: sa.Connection, t: sa.Table, *, from_app: bool = False) -
             )
         return f"table {t.name!r} does not exist in {where}; {advice}"
     columns = {c["name"] for c in inspector.get_columns(t.name, t.schema)}
+    if entity:
+        if ENTITY_COLUMN in columns:
+            return None
+        return (
+            f"table {t.name!r} in {where} is not an entity-queue table: it lacks the "
+            f"EntityQueueMixin column {ENTITY_COLUMN}; migrate it to your model "
+            "(e.g. alembic upgrade head)"
+        )
     missing = [c for c in MESSAGE_COLUMNS if c not in columns]
     if not missing:
         return None

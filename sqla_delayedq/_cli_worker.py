@@ -25,7 +25,7 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, cast
 
@@ -55,6 +55,7 @@ from ._cli_target import (
 )
 from ._handlers import is_async_callable
 from ._queue import DelayedQueue
+from .entity import EntityQueue
 from .retry import ExponentialBackoff
 from .serializers import BytesSerializer, JsonSerializer, Serializer
 
@@ -192,10 +193,11 @@ def _unreachable(exc: Exception) -> bool:
     return True
 
 
-def _problem(conn: Any, tables: list[Table]) -> str | None:
-    """The first table that is missing or is not a message table, as advice (None: all fine)."""
+def _problem(conn: Any, tables: list[Table], entities: Collection[Table] = ()) -> str | None:
+    """The first table that is missing or is not a message table (an entity-queue table, for
+    those in ``entities``), as advice (None: all fine)."""
     for t in tables:
-        problem = table_problem(conn, t, from_app=True)
+        problem = table_problem(conn, t, from_app=True, entity=t in entities)
         if problem is not None:
             return problem
     return None
@@ -210,18 +212,21 @@ def _unless_unreachable() -> Iterator[None]:
             raise
 
 
-def check_tables(bind: Any, tables: list[Table]) -> None:
-    """Before running: each table exists and is a message table (advice when not)."""
+def check_tables(bind: Any, tables: list[Table], entities: Collection[Table] = ()) -> None:
+    """Before running: each table exists and is a message table, or the entity-queue table of
+    an ``EntityQueue`` for those in ``entities`` (advice when not)."""
     if not isinstance(bind, Engine):
         return  # a sessionmaker without one engine: the worker finds out itself
     problem = None
     with _unless_unreachable(), bind.connect() as conn:
-        problem = _problem(conn, tables)
+        problem = _problem(conn, tables, entities)
     if problem is not None:
         raise RuntimeFailure(problem)
 
 
-async def check_tables_async(bind: Any, tables: list[Table]) -> None:
+async def check_tables_async(
+    bind: Any, tables: list[Table], entities: Collection[Table] = ()
+) -> None:
     """:func:`check_tables` through an ``AsyncWorker``'s own engine and driver."""
     from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -230,7 +235,7 @@ async def check_tables_async(bind: Any, tables: list[Table]) -> None:
     problem = None
     with _unless_unreachable():
         async with bind.connect() as conn:
-            problem = await conn.run_sync(_problem, tables)
+            problem = await conn.run_sync(_problem, tables, entities)
     if problem is not None:
         raise RuntimeFailure(problem)
 
@@ -258,7 +263,7 @@ def run_user_worker(
     app = hook_metrics(worker, target, metrics_port) if metrics_port is not None else None
     if app is not None:
         ctx.call_on_close(app.close)
-    queues: tuple[DelayedQueue[Any], ...] = tuple(worker.queues)
+    queues: tuple[Any, ...] = tuple(worker.queues)  # DelayedQueue and EntityQueue sources
     log.info(
         "running %s: %s serving %s",
         target,
@@ -266,15 +271,16 @@ def run_user_worker(
         ", ".join(f"{q.name} ({q.table.name})" for q in queues) or "no queue",
     )
     tables = list({q.table.key: q.table for q in queues}.values())
+    entities = {q.table for q in queues if isinstance(q, EntityQueue)}
     if isinstance(worker, Worker):
-        check_tables(worker.sessions.kw.get("bind"), tables)
+        check_tables(worker.sessions.kw.get("bind"), tables, entities)
         drained = worker.run()
     else:
 
         async def main() -> bool:
             bind = worker.sessions.kw.get("bind")
             try:
-                await check_tables_async(bind, tables)
+                await check_tables_async(bind, tables, entities)
                 return bool(await worker.run())
             finally:
                 if hasattr(bind, "dispose"):  # close the pool while its event loop runs

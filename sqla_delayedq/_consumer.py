@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -49,6 +50,7 @@ __all__ = [
     "Source",
     "WorkerHooks",
     "log_failure",
+    "require_option",
     "retryable",
 ]
 
@@ -350,7 +352,7 @@ class Registration:
     batch: int | None = None
 
 
-def _require(
+def require_option(
     value: Any,
     name: str,
     *,
@@ -363,6 +365,8 @@ def _require(
         kind = "an int" if whole else "a number"
         raise InvalidArgument(f"{name} must be {kind}, got {type(value).__name__}")
     number = float(value)
+    if not math.isfinite(number):  # a thread's wait would raise on it, or wait for ever
+        raise InvalidArgument(f"{name} must be a finite number, got {value}")
     if least is not None and number < least:
         raise InvalidArgument(f"{name} must be >= {least}, got {value}")
     if above is not None and number <= above:
@@ -437,6 +441,11 @@ def check_source(source: Any, where: str) -> Source:
     )
 
 
+def _same_rows(a: Source, b: Source) -> bool:
+    """Whether two sources take the same rows (the same queue of the same table)."""
+    return a.name == b.name and a.shape.table.fullname == b.shape.table.fullname
+
+
 S = TypeVar("S")
 
 
@@ -462,10 +471,10 @@ class BaseWorker(Generic[S]):
         keep_statistics: bool = True,
     ) -> None:
         concurrency = self.default_concurrency if concurrency is None else concurrency
-        _require(concurrency, "concurrency", whole=True, least=1)
-        _require(poll_interval, "poll_interval", above=0)
-        _require(batch_size, "batch_size", whole=True, least=1)
-        _require(drain_timeout, "drain_timeout", least=0)
+        require_option(concurrency, "concurrency", whole=True, least=1)
+        require_option(poll_interval, "poll_interval", above=0)
+        require_option(batch_size, "batch_size", whole=True, least=1)
+        require_option(drain_timeout, "drain_timeout", least=0)
         self.sessions = sessions
         self.concurrency = concurrency
         self.poll_interval = poll_interval
@@ -485,6 +494,8 @@ class BaseWorker(Generic[S]):
         self._in_flight = InFlight()
         self._rt: Runtime | None = None
         self._started = False
+        #: ``start``/``run`` was called: a worker starts once.
+        self._ran = False
         #: A listener runs: offers from other processes wake this worker (see ``_after_one``).
         self._listening = False
         self._stop_requested = False
@@ -499,6 +510,12 @@ class BaseWorker(Generic[S]):
             raise InvalidArgument("register handlers before starting the worker")
         src = check_source(source, where)
         self._check_handler(handler, where)
+        if any(_same_rows(r.source, src) for r in self._registrations):
+            # Its messages would go to one handler or the other, whichever consumer took them.
+            raise InvalidArgument(
+                f"{where}: queue {src.name!r} of table {src.shape.table.fullname!r} is "
+                "registered already; one handler per queue"
+            )
         lease = kwargs.pop("lease", None)
         lease = src.lease if lease is None else require_duration(lease, f"{where}: lease")
         if kwargs.get("handler_timeout") is not None:
@@ -580,8 +597,9 @@ class BaseWorker(Generic[S]):
         """
         if self._started:
             raise InvalidArgument("add periodic tasks before starting the worker")
-        if not callable(fn) or interval <= 0:
+        if not callable(fn):
             raise InvalidArgument("add_periodic needs a callable and a positive interval")
+        require_option(interval, "add_periodic: interval", above=0)
         self._periodic.append(Periodic(name, fn, float(interval), on_stop))
         return self
 
@@ -653,15 +671,16 @@ class BaseWorker(Generic[S]):
         on the system clock, and where the backend needs it the planner statistics keeper of
         the worker's tables."""
         tasks = list(self._periodic)
+        if bind is None:
+            return tasks
+        engine = getattr(bind, "sync_engine", bind)
+        strategy = strategy_class(engine.dialect)
         checked = [r for r in self._registrations if _skew.checked(r.source)]
-        if checked:
+        if checked and strategy.has_server_clock:
             leases = [(r.source.name, r.lease) for r in checked]
             check = _skew.SkewCheck(self.name, checked[0].source.clock, leases)
             tasks.append(Periodic("clock skew check", check, _skew.CHECK_EVERY))
-        if not self.keep_statistics or bind is None:
-            return tasks
-        engine = getattr(bind, "sync_engine", bind)
-        if strategy_class(engine.dialect).keeps_statistics:
+        if self.keep_statistics and strategy.keeps_statistics:
             tables = [r.source.shape.table for r in self._registrations]
             keeper = _planner.StatisticsKeeper(
                 tables, engine.dialect.identifier_preparer.format_table
@@ -669,9 +688,19 @@ class BaseWorker(Generic[S]):
             tasks.append(Periodic("planner statistics", keeper, _planner.INTERVAL))
         return tasks
 
-    def _check_startable(self) -> None:
+    def _check_startable(self, *, once: bool = False) -> None:
+        """Before a start (``once``: ``start``/``run``, which a worker does once) or a
+        ``process_due`` pass: never beside a running pass, whose threads would outlive its stop."""
         if not self._registrations:
             raise InvalidArgument("register at least one queue before starting the worker")
+        if self._rt is not None and not self._rt.drained:
+            raise InvalidArgument(f"{self.name} is already running")
+        if once:
+            if self._ran:
+                raise InvalidArgument(
+                    f"{self.name} has run already: a worker starts once, make a new one"
+                )
+            self._ran = True
         controls.keep_fresh(self.poll_interval)
         self._started = True
         self.started_at = time.time()

@@ -315,6 +315,9 @@ class Strategy(abc.ABC):
         """Insert-if-absent for a row the transaction will then lock ``FOR UPDATE``."""
         return self.insert_ignore(t)
 
+    #: Whether the database runs on a clock of its own (a server), for :meth:`server_now`.
+    has_server_clock: ClassVar[bool] = False
+
     def server_now(self, session: Session | Connection) -> datetime | None:
         """The database server's current UTC time, read now (not at the transaction's start),
         for a clock-skew check; None where the database runs on this host's clock (SQLite)."""
@@ -486,6 +489,7 @@ class PostgreSQLStrategy(Strategy):
     autocommit_offer = True
     keeps_statistics = True
     sees_rows_of_awaited_transactions = False
+    has_server_clock = True
 
     def server_now(self, session: Session | Connection) -> datetime | None:
         # now() is the transaction's start; clock_timestamp() the moment it is read.
@@ -722,6 +726,7 @@ class MySQLStrategy(Strategy):
     ordered_group_probe = False
     offer_lock = None
     batch_lock = None
+    has_server_clock = True
 
     def insert_one(
         self, session: Session, t: Table, row: dict[str, Any], *, notify: str | None = None

@@ -300,17 +300,22 @@ class LeasedQueue(abc.ABC, Generic[T]):
         session: Session,
         handler: Callable[[Envelope[T], Session], Any],
         envelope: Envelope[T],
+        own: bool,
     ) -> Processed[T]:
         """Transactional mode for a leased row: ``handler(envelope, session)`` in a savepoint,
         then the ack in the caller's transaction; a failure rolls the handler's writes back
-        and records the attempt in that transaction instead."""
+        and records the attempt in that transaction instead.
+
+        ``own``: the row was taken in the caller's transaction, whose lock keeps every other
+        one off it; an ack it refuses was refused for the handler's own change to the row (it
+        scheduled, stopped or deleted it), which commits with the handler's other writes."""
         savepoint, exc = run_in_savepoint(session, handler, envelope)
         if exc is not None:  # a transient one too: see DelayedQueue.process_next
             return envelope, exc, self.nack(session, envelope, exc)
-        if self.ack(session, envelope):
+        if self.ack(session, envelope) or own:
             savepoint.commit()
             return envelope, None, None
-        savepoint.rollback()  # the handler rescheduled or stopped its own row
+        savepoint.rollback()  # the lease taken apart ran out, or another session changed the row
         lost = LeaseLost(f"{self.name}/{envelope.key}: the lease was lost before the ack")
         return envelope, lost, NackOutcome.STALE
 

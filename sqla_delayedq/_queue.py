@@ -27,7 +27,7 @@ from ._time import Clock, require_aware, require_duration, system_clock
 from ._types import Delivery, Envelope, NackOutcome, OfferMode, OfferResult, Outcome, built
 from .errors import DecodeError, InvalidArgument
 from .models import KEY_MAX, QUEUE_MAX, DelayedMessage, QueueMessageMixin
-from .retry import ExponentialBackoff, RetryPolicy
+from .retry import ExponentialBackoff, RetryPolicy, check_policy
 from .serializers import JsonSerializer, Serializer
 
 T = TypeVar("T")
@@ -121,7 +121,9 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         self.codec: Codec[T] = Codec(serializer or cast(Serializer[T], JsonSerializer()))
         self.serializer: Serializer[T] = self.codec.serializer
         self.lease = require_duration(lease, "lease")
-        self.retry_policy: RetryPolicy = retry or ExponentialBackoff()
+        self.retry_policy: RetryPolicy = check_policy(
+            ExponentialBackoff() if retry is None else retry
+        )
         self.retention = None if retention is None else require_duration(retention, "retention")
         self.clock = clock
         self.notify = notify
@@ -462,7 +464,10 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
             return None, UNSEEN
         if gate == "limited":
             leased = self._limited_take(session, 1)
-            return (self._process_leased(session, handler, leased[0]) if leased else None), UNSEEN
+            if not leased:
+                return None, UNSEEN
+            own = not leases_apart(session)
+            return self._process_leased(session, handler, leased[0], own), UNSEEN
         plain = self.grouping is None and not self.priorities
         taken = self._consume_rows(session, 1, ahead=plain)
         if not taken:

@@ -241,10 +241,26 @@ def after_failure(
     policy: RetryPolicy, attempt: int, now: datetime, at: datetime | None = None
 ) -> Failure:
     """Attempt number ``attempt`` failed: retry at ``at`` (else after the policy's delay), or
-    dead once ``max_attempts`` attempts have failed."""
+    dead once ``max_attempts`` attempts have failed. A delay past the last time a datetime
+    holds (year 9999) is due then: never before it, and never an error that strands it."""
     if attempt >= policy.max_attempts:
         return Failure(attempt, None)
-    return Failure(attempt, at if at is not None else now + policy.delay(attempt))
+    if at is None:
+        delay = policy.delay(attempt)
+        if not isinstance(delay, timedelta):
+            raise InvalidArgument(
+                f"{type(policy).__name__}.delay({attempt}) returned {delay!r}: a retry policy's "
+                "delay must be a timedelta"
+            )
+        try:
+            at = now + delay
+        except OverflowError:
+            at = LATEST if delay > timedelta(0) else now
+    return Failure(attempt, at)
+
+
+#: The latest time a datetime holds, and a retry can be due at.
+LATEST = datetime.max.replace(tzinfo=timezone.utc)
 
 
 def lease_exhausted(prev_token: str | None, attempts: int, policy: RetryPolicy) -> bool:

@@ -397,13 +397,17 @@ def take_values(shape: Shape, lease_until: Any, prefix: Any) -> list[tuple[Any, 
     its consumers ends up dead.
     """
     # A held token (an update while in flight, see _rules.hold) started a fresh run: no loss.
-    held = func.substr(shape.token, 1, 1) == HELD
-    lost = case((or_(shape.token.is_(None), held), 0), else_=1)
+    lost = case((or_(shape.token.is_(None), is_held(shape.token)), 0), else_=1)
     return [
         (shape.attempts, shape.attempts + lost),
         (shape.due, lease_until),
         (shape.token, token_expr(shape, prefix)),
     ]
+
+
+def is_held(token: ColumnElement[Any]) -> ColumnElement[bool]:
+    """Whether a lock token is a held one (see :func:`~sqla_delayedq._rules.hold`)."""
+    return func.substr(token, 1, 1) == HELD
 
 
 def token_expr(shape: Shape, prefix: Any) -> ColumnElement[str]:
@@ -723,7 +727,7 @@ def restart_values(
     by the old token (``old_token``: the old token inside an already-held one).
     """
     in_flight = and_(shape.token.is_not(None), shape.due > literal(now, DateTimeUTC()))
-    old = case((func.substr(shape.token, 1, 1) == HELD, old_token), else_=shape.token)
+    old = case((is_held(shape.token), old_token), else_=shape.token)
     return [
         (shape.token, case((in_flight, literal(held, String) + old), else_=None)),
         # On MySQL the token is already the new one here: held (not NULL) exactly when the row

@@ -56,7 +56,10 @@ def require_aware(value: datetime, name: str = "datetime") -> datetime:
             f"{name} is a naive datetime ({value.isoformat()}); pass an aware one, "
             "e.g. datetime.now(timezone.utc)"
         )
-    return value.astimezone(UTC)
+    try:
+        return value.astimezone(UTC)
+    except OverflowError:
+        raise InvalidArgument(f"{name} ({value.isoformat()}) is out of range in UTC") from None
 
 
 def require_duration(value: timedelta, name: str, *, allow_zero: bool = False) -> timedelta:

@@ -467,7 +467,7 @@ class AsyncWorker(BaseWorker[async_sessionmaker[AsyncSession]]):
         Raises :class:`~sqla_delayedq.WorkerError` when the worker stopped on an error it must
         not retry (a bug, a missing table): it was logged with its traceback.
         """
-        self._check_startable()
+        self._check_startable(once=True)
         loop = asyncio.get_running_loop()
         rt = AsyncRuntime(loop, self.sessions)
         self._rt = rt

@@ -58,12 +58,12 @@ from sqlalchemy.sql import ColumnElement, Select
 
 from . import _statements as st
 from ._dialects import Claimed, Claims, Strategy, strategy_for, transient_as_ours
-from ._leases import LeasedQueue, LeaseLost, Processed
+from ._leases import LeasedQueue, LeaseLost, Processed, leases_apart
 from ._rules import HELD, held_due, held_prefix, lost_token
 from ._time import Clock, DateTimeUTC, require_aware, require_duration, system_clock
 from ._types import Delivery, Envelope, built
 from .errors import InvalidArgument
-from .retry import ExponentialBackoff, RetryPolicy
+from .retry import ExponentialBackoff, RetryPolicy, check_policy
 
 __all__ = [
     "EntityCounts",
@@ -224,6 +224,11 @@ def _rowcount(result: Result[Any]) -> int:
     return int(cast(CursorResult[Any], result).rowcount)
 
 
+def _fresh_run(when: datetime) -> dict[str, Any]:
+    """The queue state of a fresh run due at ``when``: no attempts, no lease."""
+    return {"queue_next_attempt_at": when, "queue_attempts": 0, "queue_lock_token": None}
+
+
 def _conditions(where: Iterable[Any]) -> list[ColumnElement[bool]]:
     conds = list(where)
     for cond in conds:
@@ -285,9 +290,9 @@ class EntityQueue(LeasedQueue[M]):
         self._pk_key = mapper.get_property_by_column(self.pk).key
         self.shape = entity_shape(table, self.pk)
         self.lease = require_duration(lease, "lease")
-        self.retry_policy: RetryPolicy = retry or ExponentialBackoff()
-        if not isinstance(self.retry_policy, RetryPolicy):
-            raise InvalidArgument("retry must have max_attempts and delay(attempts)")
+        self.retry_policy: RetryPolicy = check_policy(
+            ExponentialBackoff() if retry is None else retry
+        )
         self.clock = clock
         self.delete_on_success = delete_on_success
         #: The columns a lease-mode handler's changes may write, by attribute name.
@@ -344,7 +349,7 @@ class EntityQueue(LeasedQueue[M]):
         # A stored entity may have been taken since this Session loaded it: its run is
         # restarted by a statement that reads the row's lease as it is now (not the loaded one).
         stored = [sa_inspect(e).identity for e in entities if sa_inspect(e).has_identity]
-        values = {"queue_next_attempt_at": when, "queue_attempts": 0, "queue_lock_token": None}
+        values = _fresh_run(when)
         for entity in entities:
             if not sa_inspect(entity).has_identity:
                 for name, value in values.items():
@@ -400,8 +405,7 @@ class EntityQueue(LeasedQueue[M]):
             m.queue_status == EntityStatus.FAILED,
             m.queue_next_attempt_at.is_(None),
         ]
-        values = {"queue_next_attempt_at": when, "queue_attempts": 0, "queue_lock_token": None}
-        return self._update(session, conds, values)
+        return self._update(session, conds, _fresh_run(when))
 
     def _update(
         self,
@@ -620,7 +624,8 @@ class EntityQueue(LeasedQueue[M]):
             taken = self.try_poll_many(session, 1)
         if not taken:
             return None
-        return self._process_leased(session, handler, taken[0])
+        own = gate != "limited" or not leases_apart(session)
+        return self._process_leased(session, handler, taken[0], own)
 
     # -- read side -------------------------------------------------------------------------
 

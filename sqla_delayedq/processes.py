@@ -27,7 +27,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 
@@ -49,11 +49,18 @@ MAX_QUICK_EXITS = 3
 PR_SET_PDEATHSIG = 1
 
 
-def _stop_with_the_supervisor() -> None:
-    """In a child, before it runs (Linux): SIGTERM when the supervisor dies, so a supervisor
+def _stop_with_the_supervisor(supervisor: int) -> Callable[[], None]:
+    """For a child, before it runs (Linux): SIGTERM when the supervisor dies, so a supervisor
     killed with SIGKILL (the OOM killer, ``kill -9``) leaves no worker running unsupervised,
-    for ever, beside those of the supervisor that replaces it."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    for ever, beside those of the supervisor that replaces it. A supervisor that died before
+    the request took effect is no longer the parent: the child stops at once."""
+
+    def guard() -> None:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != supervisor:
+            os._exit(1)  # before exec: nothing of the worker ran yet
+
+    return guard
 
 
 @dataclass
@@ -109,7 +116,7 @@ class _Supervisor:
         if self.stopping:  # a signal came while the children started, or during a backoff
             return
         env = {**os.environ, CHILD_ENV: str(slot.number)}
-        orphan_guard = _stop_with_the_supervisor if sys.platform == "linux" else None
+        orphan_guard = _stop_with_the_supervisor(os.getpid()) if sys.platform == "linux" else None
         slot.proc = subprocess.Popen(self.command, env=env, preexec_fn=orphan_guard)
         slot.started = time.monotonic()
         log.info("worker process %d started: pid %d", slot.number, slot.proc.pid)

@@ -6,11 +6,13 @@ A policy is any object with ``max_attempts`` and ``delay(attempts) -> timedelta`
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
+from ._time import require_duration
 from .errors import InvalidArgument
 
 __all__ = ["ExponentialBackoff", "RetryPolicy"]
@@ -44,18 +46,47 @@ class ExponentialBackoff:
     rng: random.Random = field(default_factory=random.Random, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.max_attempts < 1:
-            raise InvalidArgument(f"max_attempts must be >= 1, got {self.max_attempts}")
-        if self.initial < timedelta(0) or self.maximum < timedelta(0):
-            raise InvalidArgument("initial and maximum delays must not be negative")
-        if self.multiplier < 1:
-            raise InvalidArgument(f"multiplier must be >= 1, got {self.multiplier}")
+        check_max_attempts(self.max_attempts, "max_attempts")
+        require_duration(self.initial, "initial", allow_zero=True)
+        require_duration(self.maximum, "maximum", allow_zero=True)
+        for name, value in (("multiplier", self.multiplier), ("jitter", self.jitter)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise InvalidArgument(f"{name} must be a number, got {type(value).__name__}")
+        if not 1 <= self.multiplier < math.inf:
+            raise InvalidArgument(f"multiplier must be >= 1 and finite, got {self.multiplier}")
         if not 0 <= self.jitter < 1:
             raise InvalidArgument(f"jitter must be in [0, 1), got {self.jitter}")
 
     def delay(self, attempts: int) -> timedelta:
-        base = self.initial.total_seconds() * self.multiplier ** max(attempts - 1, 0)
-        base = min(base, self.maximum.total_seconds())
+        initial, cap = self.initial.total_seconds(), self.maximum.total_seconds()
+        try:
+            base = min(initial * self.multiplier ** max(attempts - 1, 0), cap)
+        except OverflowError:  # the growth alone is past a float (attempt 1025 doubling): capped
+            base = cap if initial else 0.0
         if self.jitter:
             base *= 1 + self.rng.uniform(-self.jitter, self.jitter)
-        return timedelta(seconds=base)
+        return timedelta.max if base >= _LONGEST else timedelta(seconds=base)
+
+
+#: ``timedelta.max`` in seconds: a longer delay is that one.
+_LONGEST = timedelta.max.total_seconds()
+
+
+def check_max_attempts(value: object, name: str) -> int:
+    """A policy's ``max_attempts``: an int >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise InvalidArgument(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def check_policy(policy: Any) -> RetryPolicy:
+    """A queue's ``retry``: a :class:`RetryPolicy` whose ``max_attempts`` is an int >= 1
+    (refused when the queue is made, not at a failure, where a worker would stop on it)."""
+    if not isinstance(policy, RetryPolicy):
+        raise InvalidArgument(
+            f"retry must have max_attempts and delay(attempts), got {type(policy).__name__}"
+        )
+    check_max_attempts(policy.max_attempts, f"{type(policy).__name__}.max_attempts")
+    return policy

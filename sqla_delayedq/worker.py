@@ -29,7 +29,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from ._consumer import BaseWorker, Mode, WorkerHooks, hand_out
+from ._consumer import BaseWorker, Mode, WorkerHooks, hand_out, require_option
 from ._handlers import call_sync_handler, check_sync_handler
 from ._wakeup import subscribe
 
@@ -157,7 +157,7 @@ class Worker(BaseWorker[sessionmaker[Session]]):
 
     def start(self) -> None:
         """Start the threads and return; see :meth:`stop` and :meth:`run`."""
-        self._check_startable()
+        self._check_startable(once=True)
         self._threads, self._cleanup = [], []
         rt = self._rt = ThreadRuntime(self.sessions)
         if self._stop_requested:
@@ -195,6 +195,8 @@ class Worker(BaseWorker[sessionmaker[Session]]):
 
         Returns True when every handler finished within the drain timeout.
         """
+        if drain_timeout is not None:
+            require_option(drain_timeout, "drain_timeout", least=0)
         timeout = self.drain_timeout if drain_timeout is None else drain_timeout
         self.request_stop()
         deadline = time.monotonic() + timeout

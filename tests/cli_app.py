@@ -30,7 +30,7 @@ from sqla_delayedq import (
     QueueMessageMixin,
     create_engine,
 )
-from sqla_delayedq.entity import EntityQueueMixin
+from sqla_delayedq.entity import EntityQueue, EntityQueueMixin
 from sqla_delayedq.models import NAMING_CONVENTION
 from sqla_delayedq.serializers import Storage
 from sqla_delayedq.worker import Worker
@@ -162,6 +162,19 @@ def make_async_worker() -> Any:
     engine = create_async_engine(sync.set(drivername=ASYNC_DRIVERS[sync.get_backend_name()]))
     w = AsyncWorker(async_sessionmaker(engine), concurrency=2, poll_interval=0.2, drain_timeout=10)
     w.register(jobs(), handle_async)
+    return w
+
+
+def ship(envelope: Envelope[Shipment]) -> None:
+    note(f"shipped {envelope.payload.id} {envelope.payload.address}")
+
+
+def make_entity_worker() -> Worker:
+    """A message queue and an entity queue (on ``app_shipments``) in one worker."""
+    engine = create_engine(url())
+    w = Worker(sessionmaker(engine), concurrency=2, poll_interval=0.2, drain_timeout=10)
+    w.register(jobs(), handle)
+    w.register(EntityQueue(Shipment), ship)
     return w
 
 

@@ -28,6 +28,7 @@ from sqlalchemy.engine import URL
 from sqla_delayedq import DelayedMessage, DelayedQueue, ExponentialBackoff
 from sqla_delayedq import _cli_admin as cli_admin
 from sqla_delayedq.cli import cli
+from sqla_delayedq.entity import EntityQueue
 from tests.fix_db import Backend
 
 UTC = timezone.utc
@@ -983,6 +984,44 @@ def test_worker_runs_an_async_worker_a_function_of_ones_own_returns(
     stderr = stop(proc, signal.SIGINT)
     assert proc.returncode == 0, stderr
     assert "AsyncWorker serving jobs (app_jobs)" in stderr
+
+
+@on_all_backends
+def test_worker_runs_a_worker_of_ones_own_that_serves_an_entity_queue(
+    backend: Backend,
+    app_tables: None,
+    events: Path,
+    start_worker: Callable[..., subprocess.Popen[str]],
+) -> None:
+    """Workers serve entity queues (workers.md): the table check before the run knows an
+    entity-queue table from a message table, and still refuses a table that is neither."""
+    from tests.cli_app import Shipment
+
+    offer_orders(backend, "o/1")
+    with backend.Session() as s, s.begin():
+        shipment = Shipment(id=7, address="Main Street 1")
+        s.add(shipment)
+        EntityQueue(Shipment).schedule(s, shipment)
+    proc = start_worker("tests.cli_app:make_entity_worker")
+    wait_for_prefix(events, "shipped 7 Main Street 1", proc)
+    wait_for_prefix(events, "handled o/1 ", proc)
+    stderr = stop(proc)
+    assert proc.returncode == 0, stderr
+    assert "serving jobs (app_jobs), app_shipments (app_shipments)" in stderr
+    with backend.engine.begin() as conn:
+        conn.execute(sa.text("DROP TABLE app_shipments"))
+        conn.execute(
+            sa.text("CREATE TABLE app_shipments (id INTEGER PRIMARY KEY, address VARCHAR(200))")
+        )
+    proc = start_worker("tests.cli_app:make_entity_worker")
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert (
+        "table 'app_shipments' in " in stderr
+        and "is not an entity-queue table: it lacks the EntityQueueMixin column "
+        "queue_next_attempt_at"
+        in stderr
+    ), stderr
 
 
 @pytest.mark.parametrize(

@@ -520,6 +520,38 @@ def test_guards_on_admin_and_settle_input(backend, make_queue, clock):
         assert q.contains(s, "k")
 
 
+class _Policy:
+    """A retry policy of the user's own, with whatever values a test gives it."""
+
+    def __init__(self, max_attempts: Any, delay: Any) -> None:
+        self.max_attempts, self._delay = max_attempts, delay
+
+    def delay(self, attempts: int) -> Any:
+        return self._delay
+
+
+@pytest.mark.parametrize("max_attempts", ["3", None, 2.5, 0, -1, True])
+def test_a_policy_without_a_whole_number_of_attempts_is_refused_by_the_queue(
+    make_queue, max_attempts
+):
+    """Accepted before, it stopped the worker at the first failure ("3", None: TypeError), or
+    buried the message at once (0, -1)."""
+    with pytest.raises(InvalidArgument, match="max_attempts"):
+        make_queue(retry=_Policy(max_attempts, timedelta(seconds=1)))
+    with pytest.raises(InvalidArgument, match="retry must have"):
+        make_queue(retry=object())
+
+
+@pytest.mark.parametrize("delay", [None, 1.5, datetime(2030, 1, 1), float("nan")])
+def test_a_policy_delay_that_is_no_timedelta_is_a_clear_error(backend, make_queue, delay):
+    q = make_queue(retry=_Policy(3, delay))
+    with backend.Session() as s, s.begin():
+        q.offer(s, "k", 1)
+        env = q.try_poll(s)
+        with pytest.raises(InvalidArgument, match=r"_Policy.delay\(1\) returned .* timedelta"):
+            q.nack(s, env, "x")
+
+
 def test_expired_leases_count_as_attempts_until_dead(backend, make_queue, clock):
     q = make_queue(lease=timedelta(seconds=10), retry=ExponentialBackoff(max_attempts=3))
     with backend.Session() as s, s.begin():

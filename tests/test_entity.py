@@ -1098,3 +1098,48 @@ def test_a_limited_entity_queue_processes_transactionally_under_its_rate(
     assert row(db.Session, ids[0]).amount_cents == 101  # the handler's write committed
     with db.Session() as s:
         assert queue.counts(s).succeeded == 2
+
+
+@pytest.mark.parametrize("change", ["schedule later", "stop", "delete"])
+def test_a_transactional_handler_that_changes_its_own_entitys_run_keeps_its_writes(
+    db: Backend, clock: FakeClock, change: str
+) -> None:
+    """A transactional handler schedules its own entity again for later (or stops it, or
+    deletes the row): the mark is refused, for the handler's own change, as nobody else can
+    touch the row its transaction took. That change and the handler's writes commit. The
+    refusal rolled them back: the row stayed in flight under the take's lease, and was taken
+    at the lease's end as a redelivery with a lost attempt (with one attempt allowed: failed,
+    its handler never having failed)."""
+    retry = ExponentialBackoff(max_attempts=1, initial=timedelta(seconds=10), jitter=0)
+    queue = EntityQueue(Order, clock=clock, retry=retry, lease=timedelta(seconds=30))
+    [order_id] = add_orders(db.Session, 1)
+    with db.Session() as s, s.begin():
+        queue.schedule(s, Order.id == order_id)
+    later = clock() + timedelta(minutes=5)
+
+    def handler(envelope: Envelope[Order], session: Session) -> None:
+        envelope.payload.amount_cents = 7
+        if change == "schedule later":
+            assert queue.schedule(session, envelope.payload, at=later) == 1
+        elif change == "stop":
+            assert queue.stop(session, Order.id == envelope.id) == 1
+        else:
+            session.delete(envelope.payload)
+
+    with db.Session() as s, s.begin():
+        processed = queue.process_one(s, handler)
+        assert processed is not None and processed[1] is None
+    clock.advance(timedelta(seconds=30))  # the take's lease is over
+    with db.Session() as s, s.begin():
+        assert queue.try_poll_many(s, 5) == []
+        order = s.get(Order, order_id)
+        if change == "delete":
+            assert order is None
+            return
+        assert order is not None and order.amount_cents == 7
+        assert order.queue_lock_token is None and order.queue_status == EntityStatus.NEW
+    if change == "schedule later":
+        clock.set(later)
+        with db.Session() as s, s.begin():
+            [again] = queue.try_poll_many(s, 5)
+            assert again.delivery is Delivery.FIRST and again.attempt == 1

@@ -200,7 +200,8 @@ def test_the_asyncio_worker_runs_the_keeper_on_postgresql_only(pg_db, tmp_path):
                 return None
 
             worker.register(DelayedQueue("q"), handler)
-            return [t.name for t in worker._side_tasks(engine)]
+            # The clock skew check runs where the database has a clock of its own (not SQLite).
+            return [t.name for t in worker._side_tasks(engine) if t.name != "clock skew check"]
         finally:
             await engine.dispose()
 

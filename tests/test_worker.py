@@ -23,11 +23,13 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from sqla_delayedq import (
+    DelayedMessage,
     DelayedQueue,
     Delivery,
     Envelope,
     ExponentialBackoff,
     HandlerMisuse,
+    InvalidArgument,
     NackOutcome,
     State,
     TransientError,
@@ -211,6 +213,66 @@ def test_a_handler_exception_is_a_nack_with_the_error_text(backend, mode, make_w
     assert info.last_attempt_at is not None and info.last_attempt_at >= before - timedelta(1)
     assert info.scheduled_at is not None
     assert info.scheduled_at >= before + timedelta(minutes=59)
+
+
+LATEST = datetime.max.replace(tzinfo=timezone.utc)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    ("policy", "attempts", "due"),
+    [
+        # Capped at an hour: 2.0 ** 1024 is past a float, which raised OverflowError.
+        (ExponentialBackoff(max_attempts=2000, jitter=0), 1024, timedelta(hours=1)),
+        # A retry past year 9999 (now + delay raised OverflowError) is due at the last time.
+        (
+            ExponentialBackoff(initial=timedelta(days=3_000_000), maximum=timedelta.max, jitter=0),
+            0,
+            None,
+        ),
+    ],
+    ids=["attempt-1025", "past-year-9999"],
+)
+def test_a_backoff_past_what_floats_and_datetimes_hold_schedules_the_retry(
+    backend, mode, policy, attempts, due
+):
+    """A valid ExponentialBackoff stopped the worker at the failure it could not compute; in
+    transactional mode that rolled the take back, uncounted, for every worker in turn."""
+    q: DelayedQueue[Any] = DelayedQueue("far", retry=policy)
+    offer(backend, q, "bad")
+    with backend.Session() as s, s.begin():
+        s.execute(sa.update(DelayedMessage).values(attempts=attempts))
+    seen: list[int] = []
+    worker = Worker(backend.Session).register(q, _failing_handler(mode, seen), mode=mode)
+    before = utcnow()
+    assert worker.process_due() == 1
+    assert seen == [attempts + 1] and worker.failure is None
+    with backend.Session() as s:
+        info = q.get(s, "bad")
+    assert info is not None and info.status == "pending" and info.lock_token is None
+    assert info.attempts == attempts + 1 and info.scheduled_at is not None
+    if due is None:
+        assert info.scheduled_at == LATEST
+    else:
+        assert before + due <= info.scheduled_at <= utcnow() + due
+
+
+def test_a_backoff_refuses_what_it_cannot_compute():
+    bad: list[dict[str, Any]] = [
+        {"multiplier": float("nan")},
+        {"multiplier": float("inf")},
+        {"max_attempts": 2.5},
+        {"max_attempts": "5"},
+        {"max_attempts": True},
+        {"initial": 5},
+        {"jitter": None},
+    ]
+    for kwargs in bad:
+        with pytest.raises(InvalidArgument):
+            ExponentialBackoff(**kwargs)
+    assert ExponentialBackoff(max_attempts=10_000, jitter=0).delay(9_999) == timedelta(hours=1)
+    zero = ExponentialBackoff(initial=timedelta(0), max_attempts=10_000)
+    assert zero.delay(9_999) == timedelta(0)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -1275,7 +1337,10 @@ def test_a_settle_whose_commit_reply_was_lost_says_what_the_message_may_be(
 
     sa.event.listen(Session, "after_commit", lose_the_reply)
     try:
-        worker = make_worker(backend, concurrency=1, poll_interval=0.05, listen=False)
+        # No side task that commits (the statistics keeper) may take the injected error.
+        worker = make_worker(
+            backend, concurrency=1, poll_interval=0.05, listen=False, keep_statistics=False
+        )
         worker.register(q, handler)
         with caplog.at_level("WARNING", logger="sqla_delayedq"), running(worker):
             assert wait_for(lambda: "outcome is unknown" in caplog.text, 30)
@@ -1419,6 +1484,55 @@ def test_a_chained_take_failing_before_its_commit_logs_no_unknown_outcome(
     assert len(calls) >= 2
     assert "refused" in caplog.text
     assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+
+
+def test_a_worker_starts_once(backend):
+    """start() twice left the first start's threads running after stop(), in a busy loop (they
+    looked at the second start's stopped runtime); start() after stop() started threads that
+    ended at once, without a word."""
+    q: DelayedQueue[Any] = DelayedQueue("once")
+    worker = Worker(backend.Session, concurrency=2, poll_interval=0.1, name="starts-once")
+    worker.register(q, lambda env: None)
+    worker.start()
+    try:
+        with pytest.raises(InvalidArgument, match="already running"):
+            worker.start()
+        with pytest.raises(InvalidArgument, match="already running"):
+            worker.process_due()
+    finally:
+        assert worker.stop(5)
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("starts-once-")]
+    assert alive == []
+    with pytest.raises(InvalidArgument, match="starts once"):
+        worker.start()
+
+
+def test_a_queue_registered_twice_is_refused(backend):
+    """Accepted before: the queue's messages went to either handler, whichever consumer took
+    them (another DelayedQueue object of the same name and table is the same queue)."""
+    worker = Worker(backend.Session).register(DelayedQueue("emails"), lambda env: None)
+    for again in (DelayedQueue("emails"), DelayedQueue("emails", lease=timedelta(seconds=9))):
+        with pytest.raises(InvalidArgument, match="registered already"):
+            worker.register(again, lambda env: None)
+        with pytest.raises(InvalidArgument, match="registered already"):
+            worker.register_batch(again, lambda envs: None)
+    worker.register(DelayedQueue("sms"), lambda env: None)  # another queue of the table
+    assert [q.name for q in worker.queues] == ["emails", "sms"]
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_worker_options_that_are_no_finite_number_are_refused(backend, value):
+    """Accepted before: a poll interval of inf ended every consumer thread on an OverflowError
+    from its first wait (the worker seemed to run, and took nothing); a drain timeout of inf
+    made stop() raise it before releasing what handlers held; NaN passed every range check."""
+    for option in ("poll_interval", "drain_timeout"):
+        with pytest.raises(InvalidArgument, match="finite"):
+            Worker(backend.Session, **{option: value})
+    worker = Worker(backend.Session).register(DelayedQueue("q"), lambda env: None)
+    with pytest.raises(InvalidArgument, match="finite"):
+        worker.add_periodic("tick", lambda sessions: None, value)
+    with pytest.raises(InvalidArgument, match="finite"):
+        worker.stop(value)
 
 
 # -- side tasks and extra hooks ---------------------------------------------------------------

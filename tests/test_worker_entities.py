@@ -16,7 +16,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import select, true
+from sqlalchemy import select, true, update
 from sqlalchemy.orm import Session
 
 from sqla_delayedq import Delivery, EntityCounts, EntityQueue, Envelope, ExponentialBackoff
@@ -165,40 +165,44 @@ def test_a_worker_serves_message_and_entity_queues_together(db, make_worker):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_entities_scheduled_again_while_in_flight_never_run_twice_at_once(db, make_worker, mode):
-    """A web request schedules entities again and again while the worker runs them: each new
-    run waits for the old delivery to end (never two handlers of one entity at once), and the
-    last schedule of each entity is followed by a run of its own."""
+    """A web request changes entities and schedules them again and again while the worker runs
+    them: each new run waits for the old delivery to end (never two handlers of one entity at
+    once), and the last change of each entity is seen by a run of its own."""
     queue = EntityQueue(Order, lease=timedelta(seconds=30))
     ids = add_scheduled(db, queue, 8)
     lock = threading.Lock()
     running_now: Counter[int] = Counter()
     peak: Counter[int] = Counter()
-    started: dict[int, list[float]] = {i: [] for i in ids}
+    seen: dict[int, list[int]] = {i: [] for i in ids}
 
     def handler(envelope: Envelope[Order], session: Session | None = None) -> None:
         order_id = envelope.payload.id
         with lock:
             running_now[order_id] += 1
             peak[order_id] = max(peak[order_id], running_now[order_id])
-            started[order_id].append(time.monotonic())
+            seen[order_id].append(envelope.payload.amount_cents)
         time.sleep(0.03)
         with lock:
             running_now[order_id] -= 1
 
     worker = make_worker(db, concurrency=4, poll_interval=0.05, listen=False)
     worker.register(queue, handler, mode=mode)
-    last_schedule = 0.0
+    version = 1_000
     with running(worker):
         deadline = time.monotonic() + 3
         while time.monotonic() < deadline:
-            with db.Session() as s, s.begin():
-                if int(deadline - time.monotonic()) % 2:
-                    queue.schedule(s, s.scalars(select(Order).where(Order.id.in_(ids))).all())
+            version += 1
+            with db.Session() as s, s.begin():  # a change and a new run, committed together
+                if version % 2:
+                    orders = s.scalars(select(Order).where(Order.id.in_(ids))).all()
+                    for order in orders:
+                        order.amount_cents = version
+                    queue.schedule(s, orders)
                 else:
+                    s.execute(update(Order).where(Order.id.in_(ids)).values(amount_cents=version))
                     queue.schedule(s, Order.id.in_(ids))
-            last_schedule = time.monotonic()
             time.sleep(0.01)
         assert wait_for(lambda: counts(db, queue).succeeded == len(ids), 30)
     assert max(peak.values()) == 1, peak
-    assert all(times and times[-1] > last_schedule for times in started.values()), started
-    assert sum(len(times) for times in started.values()) > 2 * len(ids)
+    assert {i: versions[-1] for i, versions in seen.items()} == dict.fromkeys(ids, version)
+    assert sum(len(versions) for versions in seen.values()) > 2 * len(ids)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from sqlalchemy import Engine, and_, bindparam, func, inspect, or_, select
+from sqlalchemy import Engine, and_, bindparam, func, inspect, not_, select
 from sqlalchemy.exc import DBAPIError, ProgrammingError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -501,7 +501,7 @@ class Data:
             return where
         t = q.table
         now = bindparam(None, callable_=q.now, type_=t.c.scheduled_at.type)
-        free = or_(t.c.lock_token.is_(None), t.c.scheduled_at <= now)
+        free = not_(flt.state_clause(t, "in_flight", now))  # type: ignore[arg-type]
         return replace(where, where=free if where.where is None else and_(where.where, free))
 
     def _apply(self, action: str, q: RawQueue, s: Session, where: MessageFilter) -> int:
