@@ -690,10 +690,13 @@ class BaseWorker(Generic[S]):
 
     def _check_startable(self, *, once: bool = False) -> None:
         """Before a start (``once``: ``start``/``run``, which a worker does once) or a
-        ``process_due`` pass: never beside a running pass, whose threads would outlive its stop."""
+        ``process_due`` pass: never a start beside a running pass, nor a pass beside a started
+        worker, whose threads would outlive its stop (``process_due`` passes may run side by
+        side, as several consumers of one worker)."""
         if not self._registrations:
             raise InvalidArgument("register at least one queue before starting the worker")
-        if self._rt is not None and not self._rt.drained:
+        running = self._rt is not None and not self._rt.drained
+        if running and (once or self._ran):
             raise InvalidArgument(f"{self.name} is already running")
         if once:
             if self._ran:
