@@ -36,7 +36,7 @@ from sqlalchemy.util import await_only, greenlet_spawn
 
 from ._consumer import BaseWorker, Mode, WorkerHooks, hand_out
 from ._dialects import is_transient
-from ._engine import configure_sqlite, engine_options
+from ._engine import engine_options
 from ._handlers import check_async_handler, refuse_unrun
 from ._offers import OfferInput
 from ._queue import DelayedQueue
@@ -76,8 +76,9 @@ def create_async_engine(url: str | URL, **kwargs: Any) -> AsyncEngine:
     :func:`sqla_delayedq.create_engine` (``READ COMMITTED`` on MariaDB/MySQL; WAL, a busy
     timeout and ``BEGIN IMMEDIATE`` on SQLite). Drivers: ``postgresql+psycopg://``,
     ``mysql+aiomysql://``, ``sqlite+aiosqlite://``."""
-    engine = sa_create_async_engine(url, **engine_options(url, kwargs))
-    configure_sqlite(engine.sync_engine)
+    options, configure = engine_options(url, kwargs)
+    engine = sa_create_async_engine(url, **options)
+    configure(engine.sync_engine)
     return engine
 
 

@@ -109,3 +109,97 @@ def test_the_database_servers_clock_is_read_now_and_in_utc(server_backend):
     with Session(engine) as s:
         assert strategy_for(s).server_now(s) is None
     engine.dispose()
+
+
+def _counting_rollbacks(monkeypatch: pytest.MonkeyPatch, cls: type) -> list[int]:
+    """Count the ``ROLLBACK`` a driver's connection class sends (every call sends one)."""
+    calls: list[int] = []
+    rollback = cls.rollback
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return rollback(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "rollback", counted)
+    return calls
+
+
+def test_mariadb_a_committed_connection_goes_back_to_the_pool_without_a_rollback(
+    mariadb, monkeypatch
+):
+    """The pool's reset sent a ``ROLLBACK`` after every commit (PyMySQL sends one whenever it
+    is asked): a round trip in each transaction of a producer or a consumer, for nothing. The
+    engines of ``create_engine`` roll back only a connection whose server says a transaction
+    is open; one built with the caller's own ``pool_reset_on_return`` keeps it."""
+    import pymysql
+
+    calls = _counting_rollbacks(monkeypatch, pymysql.connections.Connection)
+    engine = mariadb.new_engine()
+    own = mariadb.new_engine(pool_reset_on_return="rollback")
+    try:
+        for e in (engine, own):  # the first connection's set-up rolls back once: not counted
+            e.connect().close()
+        calls.clear()
+        with Session(engine) as s, s.begin():
+            s.execute(sa.text("SELECT 1"))
+        assert calls == []
+        with Session(own) as s, s.begin():
+            s.execute(sa.text("SELECT 1"))
+        assert calls == [1]
+    finally:
+        engine.dispose()
+        own.dispose()
+
+
+def test_mariadb_a_connection_returned_in_a_transaction_is_still_rolled_back(mariadb):
+    """What the reset is for: a connection that goes back to the pool with a transaction open
+    (its writes made through the driver, which the ``Connection`` did not see) is rolled back,
+    so the next user of the pooled connection does not commit them."""
+    engine = mariadb.new_engine(pool_size=1, max_overflow=0)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text("CREATE TABLE reset_probe (x INT) ENGINE=InnoDB"))
+        raw = engine.raw_connection()
+        cursor = raw.cursor()
+        cursor.execute("INSERT INTO reset_probe VALUES (1)")
+        cursor.close()
+        raw.close()  # back to the pool, uncommitted
+        with engine.connect() as conn:  # the same pooled connection
+            conn.commit()  # would commit the insert had the reset not rolled it back
+            assert conn.execute(sa.text("SELECT count(*) FROM reset_probe")).scalar_one() == 0
+        with Session(engine) as s:  # and a Session that ends without a commit
+            s.execute(sa.text("INSERT INTO reset_probe VALUES (2)"))
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT count(*) FROM reset_probe")).scalar_one() == 0
+    finally:
+        with engine.begin() as conn:
+            conn.execute(sa.text("DROP TABLE IF EXISTS reset_probe"))
+        engine.dispose()
+
+
+def test_mariadb_asyncio_engines_skip_the_rollback_after_a_commit_too(mariadb, monkeypatch):
+    import asyncio
+
+    import aiomysql
+
+    from sqla_delayedq.aio import create_async_engine
+
+    calls = _counting_rollbacks(monkeypatch, aiomysql.Connection)
+
+    async def main() -> int:
+        engine = create_async_engine(mariadb.url.set(drivername="mariadb+aiomysql"))
+        try:
+            async with engine.connect():  # the first connection's set-up rolls back once
+                pass
+            calls.clear()
+            async with engine.begin() as conn:
+                await conn.execute(sa.text("SELECT 1"))
+            committed = len(calls)
+            async with engine.connect() as conn:  # ends without a commit: rolled back
+                await conn.execute(sa.text("SELECT 1"))
+            assert len(calls) == committed + 1
+            return committed
+        finally:
+            await engine.dispose()
+
+    assert asyncio.run(main()) == 0
