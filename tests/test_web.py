@@ -29,6 +29,7 @@ from sqla_delayedq import (
     ExponentialBackoff,
     MessageFilter,
     QueueControls,
+    QueueMessageMixin,
     controls,
 )
 from sqla_delayedq.entity import EntityQueue
@@ -829,9 +830,12 @@ def test_a_bulk_action_changes_no_more_than_its_confirmation_showed(
         sa.exc.OperationalError(
             "SELECT 1", {}, Exception('connection to server at "10.9.8.7", port 5432 failed')
         ),
+        sa.exc.ProgrammingError(
+            "SELECT 1", {}, Exception(1146, "Table 'dq_10.9.8.7.delayed_queue' doesn't exist")
+        ),
         RuntimeError("a bug"),
     ],
-    ids=["transient", "connection", "unexpected"],
+    ids=["transient", "connection", "missing-table", "unexpected"],
 )
 def test_a_bulk_action_stopped_by_an_error_says_so_without_connection_details(
     backend: Backend, client: TestClient, monkeypatch: pytest.MonkeyPatch, error: Exception
@@ -1365,6 +1369,37 @@ def test_a_missing_table_is_a_clear_503_page(tmp_path: Any) -> None:
             assert str(tmp_path) not in response.text
     assert client.get("/").status_code == 503
     engine.dispose()
+
+
+class NeverCreatedBase(sa.orm.DeclarativeBase):
+    pass
+
+
+class NeverCreated(QueueMessageMixin, NeverCreatedBase):
+    __tablename__ = "webtest_never_created"
+
+
+def test_a_database_error_page_names_no_database_and_gives_an_error_id(
+    backend: Backend, caplog: pytest.LogCaptureFixture
+) -> None:
+    """MariaDB says "Table '<database>.<table>' doesn't exist": the page showed the server's
+    text, and with it the database's name. It names only a table the dashboard reads, and an
+    id to find the server's text in the log."""
+    board = dashboard(backend.Session, tables=[NeverCreated], token=TOKEN)
+    client = client_for(board)
+    secret_parts = {str(backend.url.database), backend.url.render_as_string(hide_password=True)}
+    with caplog.at_level("ERROR", logger="sqla_delayedq.web"):
+        response = client.get("/messages?table=webtest_never_created&queue=emails")
+    assert response.status_code == 503
+    for part in secret_parts:
+        assert part not in response.text
+    text = error_text(response.text).replace("&#39;", "'")
+    assert "no such table: webtest_never_created" in text and "delayedq db upgrade" in text
+    found = re.search(r"Error id ([0-9a-f]{8})", text)
+    assert found is not None
+    [record] = [r for r in caplog.records if found.group(1) in r.getMessage()]
+    assert record.exc_info is not None
+    board.data.close()
 
 
 def test_a_bulk_action_never_reaches_a_message_offered_after_its_confirmation(

@@ -280,10 +280,13 @@ class Dashboard:
         return self._error(request, exc.status_code, messages.get(exc.status_code, exc.detail))
 
     async def _crash(self, request: Request, exc: Exception) -> Response:
-        log.error("dashboard: %s %s failed", request.method, request.url.path, exc_info=exc)
+        ref = secrets.token_hex(4)
+        log.error("dashboard: %s %s failed (error id %s)", request.method, request.url.path, ref,
+                  exc_info=exc)  # fmt: skip
         return HTMLResponse(
             "<!doctype html><title>Error</title><h1>500</h1>"
-            "<p>The dashboard failed on this request; the server's log has the details.</p>",
+            "<p>The dashboard failed on this request; the server's log has the details under "
+            f"error id {ref}.</p>",
             status_code=500,
         )
 
@@ -307,8 +310,10 @@ class Dashboard:
             log.error("dashboard: %s %s: %s", request.method, request.url.path, exc)
             return self._error(request, 503, str(exc))
         except SQLAlchemyError as exc:
-            log.error("dashboard: %s %s failed", request.method, request.url.path, exc_info=True)
-            return self._error(request, 503, database_problem(exc))
+            ref = secrets.token_hex(4)
+            log.error("dashboard: %s %s failed (error id %s)", request.method, request.url.path,
+                      ref, exc_info=True)  # fmt: skip
+            return self._error(request, 503, database_problem(exc, self.data.table_names(), ref))
 
     # -- parameters ----------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 import uuid
@@ -20,7 +21,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from sqlalchemy import Engine, and_, bindparam, func, inspect, not_, select
-from sqlalchemy.exc import DBAPIError, ProgrammingError, SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from .. import _filters as flt
@@ -238,6 +239,16 @@ class Data:
         if found is None:
             raise NotFound(f"unknown table {name!r}")
         return found
+
+    def table_names(self) -> set[str]:
+        """Every table the dashboard reads: the message tables, the entity queues' and ours."""
+        return {
+            *self.tables,
+            *(eq.table.name for eq in self.entities.values()),
+            workers_table.name,
+            stats_table.name,
+            controls_table.name,
+        }
 
     def entity(self, name: str) -> EntityQueue[Any]:
         found = self.entities.get(name)
@@ -597,11 +608,15 @@ class Data:
         except DelayedQueueError as exc:  # ours: says what to do, no connection details
             job.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         except SQLAlchemyError as exc:
-            log.error("dashboard: %s failed", job.description, exc_info=True)
-            job.error = database_problem(exc)
+            ref = uuid.uuid4().hex[:8]
+            log.error("dashboard: %s failed (error id %s)", job.description, ref, exc_info=True)
+            job.error = database_problem(exc, self.table_names(), ref)
         except Exception:
-            log.error("dashboard: %s failed", job.description, exc_info=True)
-            job.error = "an unexpected error; the server's log has the details"
+            ref = uuid.uuid4().hex[:8]
+            log.error("dashboard: %s failed (error id %s)", job.description, ref, exc_info=True)
+            job.error = (
+                f"an unexpected error; the server's log has the details under error id {ref}"
+            )
         finally:
             job.finished = True
             self.invalidate()
@@ -723,22 +738,44 @@ def _recent(job: Job) -> bool:
     return time.monotonic() - job.started < 3600
 
 
-def database_problem(exc: SQLAlchemyError) -> str:
-    """What a page says about a database error: the server's complaint about the schema (a
-    missing table or column), never connection details (hosts, users, URLs)."""
-    if isinstance(exc, ProgrammingError) or (
-        isinstance(exc, DBAPIError) and "no such table" in str(exc.orig)
-    ):
-        orig = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
-        lines = [ln.strip() for ln in str(orig).splitlines() if ln.strip()]
-        detail = lines[0] if lines else type(orig).__name__
+def database_problem(exc: SQLAlchemyError, tables: Iterable[str], ref: str) -> str:
+    """What a page says about a database error: a missing table or column when the server says
+    so (a table named only when it is one the dashboard reads), else the kind of error; never
+    the server's own text, which may carry the database's name, a host or a user. ``ref`` ties
+    the page to the log's entry."""
+    orig = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
+    missing = missing_schema(orig)
+    if missing is None:
         return (
-            f"The database refused the query: {detail}. A missing table of ours is created by "
-            "'delayedq db upgrade'; a table of yours by your own migrations."
+            f"The database could not answer ({type(exc).__name__}); the server's log has the "
+            f"details under error id {ref}."
         )
+    said = str(orig)
+    names = [t for t in tables if re.search(rf"(?<![\w$]){re.escape(t)}(?![\w$])", said)]
+    what = f"a {missing} is missing"
+    if missing == "table" and names:
+        what = f"no such table: {max(names, key=len)}"
     return (
-        f"The database could not answer ({type(exc).__name__}); the server's log has the details."
+        f"The database refused the query: {what}. A missing table or column of ours is created "
+        "by 'delayedq db upgrade'; one of yours by your own migrations. (Error id "
+        f"{ref}: the server's log has the details.)"
     )
+
+
+#: How each server says a table or a column does not exist: PostgreSQL's SQL state, MySQL's and
+#: MariaDB's error number, SQLite's message.
+MISSING = {"42P01": "table", "42703": "column", 1146: "table", 1054: "column"}
+SQLITE_MISSING = {"no such table": "table", "no such column": "column"}
+
+
+def missing_schema(orig: BaseException) -> str | None:
+    """``"table"`` or ``"column"`` when the server's error says one is missing, else None."""
+    args: tuple[Any, ...] = getattr(orig, "args", ())
+    for code in (getattr(orig, "sqlstate", None), args[0] if args else None):
+        if isinstance(code, str | int) and code in MISSING:
+            return MISSING[code]
+    said = str(orig)
+    return next((what for start, what in SQLITE_MISSING.items() if said.startswith(start)), None)
 
 
 def describe(queue: str, f: MessageFilter) -> str:
