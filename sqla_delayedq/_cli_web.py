@@ -57,7 +57,12 @@ def serve(app: Any, host: str, port: int, root_path: str) -> None:
     show_default=True,
     help="Seconds the overview's counts are shared between viewers.",
 )
-@click.option("--root-path", default="", help="The path prefix behind a reverse proxy.")
+@click.option(
+    "--root-path",
+    default="",
+    help="The path a reverse proxy serves the dashboard at, stripped before it passes requests "
+    "on (uvicorn's --root-path): the pages link to it.",
+)
 @click.pass_context
 def web(
     ctx: click.Context,
@@ -86,6 +91,7 @@ def web(
             f"--host {host} is reachable from other machines: give --token (or "
             f"${TOKEN_ENV_VAR}) so the dashboard is not open to anyone"
         )
+    root_path = "/" + root_path.strip("/") if root_path.strip("/") else ""
     shown = token is None
     token = token or secrets.token_urlsafe(24)
     if app:
@@ -103,12 +109,21 @@ def web(
             counts_ttl=counts_ttl,
         )
     shown_host = f"[{host}]" if ":" in host else host
-    address = f"http://{shown_host}:{port}{root_path.rstrip('/')}/"
-    if shown:
-        click.echo(f"dashboard: {address}?token={token}", err=True)
-        click.echo("(a new token on every start; pass --token to keep one)", err=True)
+    address = f"http://{shown_host}:{port}/"
+    first_visit = f"?token={token}" if shown else " (sign in with your token)"
+    if root_path:
+        # uvicorn serves the app at its own "/" and the pages link to root_path: only a proxy
+        # that strips the prefix makes both meet.
+        click.echo(f"dashboard: serving {address} behind a proxy at {root_path}/", err=True)
+        click.echo(
+            f"open <your proxy's address>{root_path}/{first_visit}; the proxy must pass requests "
+            f"on without {root_path}, as the pages' links and cookies use it",
+            err=True,
+        )
     else:
-        click.echo(f"dashboard: {address} (sign in with your token)", err=True)
+        click.echo(f"dashboard: {address}{first_visit}", err=True)
+    if shown:
+        click.echo("(a new token on every start; pass --token to keep one)", err=True)
     click.echo(f"actions: {'enabled' if allow_actions else 'off (read-only)'}", err=True)
     try:
         serve(board, host, port, root_path)

@@ -1219,6 +1219,51 @@ def test_delayedq_web_prints_a_random_token_once_and_never_the_url(
     assert served[1][0].token == "mine" and served[1][0].actions and served[1][2] == 9000
 
 
+def test_delayedq_web_with_a_root_path_prints_the_address_it_serves(
+    backend: Backend, served: list[Any]
+) -> None:
+    """uvicorn serves the app at its own "/" and only the pages' links carry --root-path: the
+    address printed with the root path in it answered 404."""
+    import socket
+    import urllib.request
+
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = backend.url.render_as_string(hide_password=False)
+    result = run_web("--url", url, "--root-path", "/queues", "--port", str(port))
+    assert result.exit_code == 0, result.output
+    [(board, host, _, root)] = served
+    address = re.search(r"dashboard: \D*(http://\S+)", result.stderr)
+    assert address is not None and address.group(1) == f"http://127.0.0.1:{port}/"
+    assert f"/queues/?token={board.token}" in result.stderr
+    config = uvicorn.Config(
+        board, host=host, port=port, root_path=root, log_level="warning", access_log=False
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.02)
+        request = urllib.request.Request(
+            address.group(1), headers={"authorization": f"Bearer {board.token}"}
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.status == 200
+            assert 'href="/queues/workers"' in response.read().decode()
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        board.data.close()
+    assert run_web("--url", url, "--root-path", "queues/").exit_code == 0
+    assert served[1][3] == "/queues"
+
+
 @pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::", "example.com"])
 def test_delayedq_web_refuses_a_public_bind_without_a_token(
     backend: Backend, served: list[Any], host: str
