@@ -640,6 +640,21 @@ def test_every_response_carries_the_security_headers(backend: Backend, app: Any)
             assert headers["x-content-type-options"] == "nosniff"
 
 
+@pytest.mark.parametrize("mount", ["", "/static", "/ops/static/queues"])
+def test_only_the_dashboards_own_static_files_may_be_cached(backend: Backend, mount: str) -> None:
+    """The rule matched "/static/" anywhere in the path: mounted under such a path, every page
+    (and its CSRF token) was served with max-age=3600."""
+    board = dashboard(backend.Session, token=TOKEN, actions=True)
+    app: Any = Starlette(routes=[Mount(mount, app=board)]) if mount else board
+    client = TestClient(app, base_url=ORIGIN, headers={"authorization": f"Bearer {TOKEN}"})
+    for path in ["/", "/workers", "/messages?table=delayed_queue&queue=x", "/static/nope.js"]:
+        assert client.get(mount + path).headers["cache-control"] == "no-store", path
+    for name in ("htmx.min.js", "dashboard.css"):
+        response = client.get(f"{mount}/static/{name}")
+        assert response.status_code == 200 and response.headers["cache-control"] == "max-age=3600"
+    board.data.close()
+
+
 def test_no_database_url_in_any_page(backend: Backend, client: TestClient) -> None:
     offer(backend, queue(), 1)
     secret_parts = {str(backend.url.database), backend.url.render_as_string(hide_password=True)}

@@ -152,7 +152,7 @@ class Dashboard:
                 Exception: self._crash,
             },
         )
-        self.asgi = security_headers(self.app)
+        self.asgi = security_headers(self.app, cached=[f"/static/{name}" for name in STATIC])
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.asgi(scope, receive, send)

@@ -3,6 +3,8 @@ dashboard's own script and stylesheet, no framing, no sniffing, no caching of pa
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 __all__ = ["CSP", "SECURITY_HEADERS", "security_headers"]
@@ -20,7 +22,10 @@ SECURITY_HEADERS = [
 ]
 
 
-def security_headers(app: ASGIApp) -> ASGIApp:
+def security_headers(app: ASGIApp, cached: Collection[str] = ()) -> ASGIApp:
+    """``app`` with the security headers on every response; ``cached`` are the paths, under the
+    app's root path, of its own static files, which browsers may keep for an hour."""
+
     async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await app(scope, receive, send)
@@ -31,9 +36,8 @@ def security_headers(app: ASGIApp) -> ASGIApp:
                 headers = [
                     h for h in message.get("headers", []) if h[0].lower() != b"cache-control"
                 ]
-                path = scope.get("path", "")
                 extra = SECURITY_HEADERS
-                if "/static/" in path:
+                if message["status"] == 200 and route_path(scope) in cached:
                     extra = [*SECURITY_HEADERS[:-1], (b"cache-control", b"max-age=3600")]
                 message["headers"] = headers + extra
             await send(message)
@@ -41,3 +45,11 @@ def security_headers(app: ASGIApp) -> ASGIApp:
         await app(scope, receive, send_with_headers)
 
     return wrapped
+
+
+def route_path(scope: Scope) -> str:
+    """The request's path under the app's root path (where it is mounted, or uvicorn's
+    ``--root-path``): only that part is the dashboard's own."""
+    path = str(scope.get("path", ""))
+    root = str(scope.get("root_path", "")).rstrip("/")
+    return path[len(root) :] if root and path.startswith(root + "/") else path
