@@ -9,6 +9,7 @@ queues are listed and changed by the same kind of POST.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import subprocess
 import sys
@@ -548,6 +549,33 @@ def test_authorize_hook_decides_every_page(backend: Backend) -> None:
     assert client.get("/login").status_code == 404
     sync = dashboard(backend.Session, authorize=lambda request: True)
     assert TestClient(sync).get("/").status_code == 200
+
+
+def test_a_blocking_authorize_hook_runs_off_the_event_loop(backend: Backend) -> None:
+    """A plain function (a session looked up in a database) was called on the event loop:
+    while it waited, no other request of the application was served."""
+    on_loop: list[bool] = []
+
+    def is_operator(request: Any) -> bool:
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:
+            on_loop.append(False)
+        return request.headers.get("x-role") == "ops"
+
+    class AsyncCheck:
+        async def __call__(self, request: Any) -> bool:
+            asyncio.get_running_loop()  # an async check runs on the loop
+            return request.headers.get("x-role") == "ops"
+
+    for check in (is_operator, AsyncCheck(), lambda request: AsyncCheck()(request)):
+        board = dashboard(backend.Session, authorize=check)
+        client = TestClient(board, base_url=ORIGIN)
+        assert client.get("/workers").status_code == 403
+        assert client.get("/workers", headers={"x-role": "ops"}).status_code == 200
+        board.data.close()
+    assert on_loop == [False, False]
 
 
 def test_a_dashboard_needs_authorization_to_be_built(backend: Backend) -> None:

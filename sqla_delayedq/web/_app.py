@@ -34,6 +34,7 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from .._handlers import is_async_callable
 from .._types import MessageFilter, MessageInfo
 from ..errors import DelayedQueueError, InvalidArgument, TransientError
 from ..monitor import DEAD_AFTER_BEATS
@@ -165,7 +166,10 @@ class Dashboard:
 
     async def _allowed(self, request: Request) -> bool:
         if self.authorize is not None:
-            verdict = self.authorize(request)
+            if is_async_callable(self.authorize):
+                verdict = self.authorize(request)
+            else:  # a blocking check (a session looked up in a database) runs off the loop
+                verdict = await run_in_threadpool(self.authorize, request)
             if inspect.isawaitable(verdict):
                 verdict = await verdict
             return bool(verdict)
