@@ -464,6 +464,36 @@ def test_bad_input_gets_a_clear_error_page(
     assert "Traceback" not in response.text
 
 
+def test_a_request_gives_at_most_twenty_payload_filters(
+    backend: Backend, client: TestClient
+) -> None:
+    """Nothing bounded the where= filters: each is a condition of the query, and thousands made
+    one request a heavy query (on SQLite an expression too deep, a 503)."""
+    offer(backend, queue(), 1, companyId=7)
+    kill(backend, queue(), 1)
+    fields = [("where", f"f{i}={i}") for i in range(20)]
+    base = [("table", "delayed_queue"), ("queue", "emails"), ("state", "dead")]
+    assert client.get("/messages", params=[*base, *fields]).status_code == 200
+    assert client.get("/confirm", params=[*base, ("action", "retry"), *fields]).status_code == 200
+    many = [*fields, ("where", "companyId=7")]
+    expected = "at most 20 payload filters (where=) in one request, got 21"
+    for response in (
+        client.get("/messages", params=[*base, *many]),
+        client.get("/confirm", params=[*base, ("action", "retry"), *many]),
+        post(
+            client,
+            {
+                **dict(base),
+                "action": "retry",
+                "csrf": csrf_of(client),
+                "where": [w for _, w in many],
+            },
+        ),
+    ):
+        assert response.status_code == 400
+        assert error_text(response.text) == expected
+
+
 def test_bad_posts_get_a_clear_error_page(backend: Backend, client: TestClient) -> None:
     offer(backend, queue(), 1)
     csrf = csrf_of(client)

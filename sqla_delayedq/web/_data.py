@@ -47,6 +47,7 @@ from ..monitor import is_alive
 __all__ = [
     "CHUNK",
     "ENTITY_STATES",
+    "MAX_WHERE",
     "MESSAGE_STATES",
     "Data",
     "Job",
@@ -59,6 +60,8 @@ log = logging.getLogger("sqla_delayedq.web")
 UTC = timezone.utc
 #: Messages changed per transaction by a bulk action.
 CHUNK = 1000
+#: The most payload filters (``where=``) one request may give: each is a condition of the query.
+MAX_WHERE = 20
 #: Minutes of history on the overview's charts.
 HISTORY_MINUTES = 60
 MESSAGE_STATES = tuple(s.value for s in State)
@@ -791,7 +794,12 @@ def describe(queue: str, f: MessageFilter) -> str:
 
 
 def parse_filter(state: str | None, key_prefix: str | None, where: Sequence[str]) -> MessageFilter:
-    """The CLI's filters from query parameters (same parser, same errors)."""
+    """The CLI's filters from query parameters (same parser, same errors), at most
+    ``MAX_WHERE`` payload fields."""
+    if len(where) > MAX_WHERE:
+        raise InvalidArgument(
+            f"at most {MAX_WHERE} payload filters (where=) in one request, got {len(where)}"
+        )
     if state is not None and state not in MESSAGE_STATES:
         raise InvalidArgument(f"unknown state {state!r}; use one of: {', '.join(MESSAGE_STATES)}")
     payload = flt.parse_field_filters([w for w in where if w.strip()])
