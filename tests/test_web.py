@@ -566,6 +566,93 @@ def test_token_in_the_url_or_the_login_form_sets_a_session_cookie(
     assert response.status_code == 200 and "Queues" in response.text
 
 
+def sign_in(board: Any) -> tuple[TestClient, str]:
+    browser = client_for(board, auth=False)
+    response = browser.get(f"/?token={TOKEN}", follow_redirects=False)
+    assert response.status_code == 303
+    value = browser.cookies.get("delayedq_session")
+    assert value
+    return browser, value
+
+
+def with_session(board: Any, value: str) -> TestClient:
+    """A client that sends a session cookie value it copied (as a thief would replay it)."""
+    client = client_for(board, auth=False)
+    client.cookies.set("delayedq_session", value)
+    return client
+
+
+def test_each_sign_in_has_its_own_session_that_sign_out_ends(backend: Backend) -> None:
+    """Every sign-in got the same cookie value, valid as long as the process ran, and there
+    was no way to sign out."""
+    board = dashboard(backend.Session, token=TOKEN)  # read-only: signing out is no action
+    alice, first = sign_in(board)
+    bob, second = sign_in(board)
+    assert first != second
+    response = client_for(board, auth=False).get(f"/?token={TOKEN}", follow_redirects=False)
+    assert "max-age=43200" in response.headers["set-cookie"].lower()
+    assert 'id="logout"' in alice.get("/").text
+    assert 'id="logout"' not in client_for(board).get("/").text  # a bearer token: no sign-in
+    csrf = csrf_of(alice)
+    assert alice.post("/logout", data={"csrf": csrf}).status_code == 403  # no origin
+    response = alice.post("/logout", data={"csrf": "nope"}, headers={"origin": ORIGIN})
+    assert response.status_code == 403
+    response = alice.post(
+        "/logout", data={"csrf": csrf}, headers={"origin": ORIGIN}, follow_redirects=False
+    )
+    assert response.status_code == 303 and response.headers["location"] == "/login"
+    assert 'delayedq_session=""' in response.headers["set-cookie"]
+    assert alice.get("/").status_code == 401
+    assert with_session(board, first).get("/").status_code == 401  # the value itself is ended
+    assert bob.get("/").status_code == 200
+    assert with_session(board, second).get("/").status_code == 200
+    assert client_for(board).post("/logout").status_code == 403  # no form, nothing ended
+    assert bob.get("/").status_code == 200
+    board.data.close()
+    hooked = dashboard(backend.Session, authorize=lambda request: True)
+    assert TestClient(hooked).post("/logout").status_code == 404
+    hooked.data.close()
+
+
+def test_a_sign_in_expires(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from sqla_delayedq.web import _app
+
+    now = [1_800_000_000.0]
+    monkeypatch.setattr(_app, "time", SimpleNamespace(time=lambda: now[0]))
+    board = dashboard(backend.Session, token=TOKEN, session_ttl=60)
+    browser, value = sign_in(board)
+    assert browser.get("/").status_code == 200
+    now[0] += 59
+    assert browser.get("/").status_code == 200
+    id, expiry, signature = value.split(".")
+    later = with_session(board, f"{id}.{int(expiry) + 3600}.{signature}")
+    now[0] += 2
+    assert browser.get("/").status_code == 401
+    assert later.get("/").status_code == 401  # an expiry pushed back breaks the signature
+    with pytest.raises(InvalidArgument, match="session_ttl"):
+        dashboard(backend.Session, token=TOKEN, session_ttl=0)
+    board.data.close()
+
+
+def test_processes_sharing_the_secret_share_sign_ins(backend: Backend) -> None:
+    secret = "a-secret-of-the-deployment-0123"
+    one = dashboard(backend.Session, token=TOKEN, secret=secret)
+    two = dashboard(backend.Session, token=TOKEN, secret=secret)
+    other = dashboard(backend.Session, token=TOKEN, secret="another-secret-0123456789")
+    new_token = dashboard(backend.Session, token=TOKEN + "-new", secret=secret)
+    alone = dashboard(backend.Session, token=TOKEN)
+    _, value = sign_in(one)
+    assert with_session(two, value).get("/").status_code == 200
+    for board in (other, new_token, alone):
+        assert with_session(board, value).get("/").status_code == 401
+    with pytest.raises(InvalidArgument, match="at least 16"):
+        dashboard(backend.Session, token=TOKEN, secret="short")
+    for board in (one, two, other, new_token, alone):
+        board.data.close()
+
+
 def test_authorize_hook_decides_every_page(backend: Backend) -> None:
     async def only_admins(request: Any) -> bool:
         return request.headers.get("x-role") == "admin"

@@ -385,6 +385,20 @@ def test_actions_are_refused_without_auth_csrf_token_or_same_origin(
         assert info is not None and info.state.value == "dead"
 
 
+def test_sign_out_ends_the_sign_in(backend: Backend, browser: WebDriver, served: Served) -> None:
+    sign_in(browser, served, "/workers")
+    session = browser.get_cookie("delayedq_session")
+    assert session is not None and session["httpOnly"] and session.get("expiry")
+    browser.find_element(By.ID, "logout").click()
+    wait(browser, lambda b: "Sign in" in b.title)
+    assert browser.current_url == served.url("/login")
+    assert browser.get_cookie("delayedq_session") is None
+    browser.add_cookie(session)  # the old value, replayed
+    browser.get(served.url("/workers"))
+    assert "Sign in" in browser.title
+    assert not browser.find_elements(By.ID, "logout")
+
+
 def test_a_hostile_payload_is_shown_as_text_and_never_runs(
     backend: Backend, browser: WebDriver, served: Served
 ) -> None:

@@ -14,8 +14,11 @@ import hashlib
 import hmac
 import inspect
 import logging
+import math
 import re
 import secrets
+import threading
+import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta, timezone
 from importlib import resources
@@ -77,6 +80,8 @@ MAX_PERIOD = 365 * 86400
 STEERING = {"pause": True, "resume": False, "limits": None}
 SESSION_COOKIE = "delayedq_session"
 CSRF_COOKIE = "delayedq_csrf"
+#: How long a sign-in lasts by default (seconds).
+SESSION_TTL = 12 * 3600.0
 STATIC = {
     "htmx.min.js": "text/javascript; charset=utf-8",
     "dashboard.css": "text/css; charset=utf-8",
@@ -108,6 +113,8 @@ class Dashboard:
         actions: bool,
         title: str,
         refresh: float,
+        secret: str | bytes | None = None,
+        session_ttl: float = SESSION_TTL,
     ) -> None:
         self.data = data
         self.authorize = authorize
@@ -115,7 +122,16 @@ class Dashboard:
         self.actions = actions
         self.title = title
         self.refresh = refresh
-        self._secret = secrets.token_bytes(32)
+        self.session_ttl = session_ttl
+        secret = secrets.token_bytes(32) if secret is None else secret
+        secret = secret.encode() if isinstance(secret, str) else secret
+        # Sessions are signed with the secret and the token: a new token ends every sign-in.
+        self._session_key = hmac.new(
+            secret, b"delayedq session\0" + (token or "").encode(), hashlib.sha256
+        ).digest()
+        #: Signed-out sessions of this process: id -> expiry, kept until they expire.
+        self._ended: dict[str, float] = {}
+        self._ended_lock = threading.Lock()
         self.env = Environment(
             loader=FileSystemLoader(HERE / "templates"),
             autoescape=select_autoescape(default=True, default_for_string=True),
@@ -144,6 +160,7 @@ class Dashboard:
             Route("/cron", self.cron),
             Route("/entities", self.entities),
             Route("/login", self.login, methods=["GET", "POST"]),
+            Route("/logout", self.logout, methods=["POST"]),
             Route("/static/{name}", self.static),
         ]
         self.app = Starlette(
@@ -160,9 +177,39 @@ class Dashboard:
 
     # -- security ------------------------------------------------------------------------
 
-    def _session_value(self) -> str:
-        assert self.token is not None
-        return hmac.new(self._secret, self.token.encode(), hashlib.sha256).hexdigest()
+    def _sign(self, text: str) -> str:
+        return hmac.new(self._session_key, text.encode(), hashlib.sha256).hexdigest()
+
+    def _new_session(self) -> str:
+        """A sign-in's cookie value: its own id and expiry, signed (``id.expiry.signature``)."""
+        text = f"{secrets.token_urlsafe(18)}.{math.ceil(time.time() + self.session_ttl)}"
+        return f"{text}.{self._sign(text)}"
+
+    def _session(self, request: Request) -> tuple[str, float] | None:
+        """(id, expiry) of the request's sign-in when its cookie is one of ours, unexpired and
+        not signed out; else None."""
+        id, _, rest = request.cookies.get(SESSION_COOKIE, "").partition(".")
+        expiry, _, signature = rest.partition(".")
+        if not id or not (expiry.isascii() and expiry.isdigit()) or len(expiry) > 12:
+            return None
+        # Bytes: compare_digest refuses str with non-ASCII characters (a TypeError, a 500).
+        expected = self._sign(f"{id}.{expiry}").encode()
+        if not hmac.compare_digest(signature.encode(), expected):
+            return None
+        if int(expiry) <= time.time() or id in self._ended:
+            return None
+        return id, float(expiry)
+
+    def _end_session(self, id: str, expiry: float) -> None:
+        now = time.time()
+        with self._ended_lock:
+            self._ended = {k: t for k, t in self._ended.items() if t > now}
+            self._ended[id] = expiry
+
+    def _sign_in(self, request: Request, response: Response) -> None:
+        self._set_cookie(
+            request, response, SESSION_COOKIE, self._new_session(), max_age=self.session_ttl
+        )
 
     async def _allowed(self, request: Request) -> bool:
         if self.authorize is not None:
@@ -179,8 +226,7 @@ class Dashboard:
             header[7:].strip().encode(), self.token.encode()
         ):
             return True
-        cookie = request.cookies.get(SESSION_COOKIE, "")
-        return bool(cookie) and hmac.compare_digest(cookie.encode(), self._session_value().encode())
+        return self._session(request) is not None
 
     async def _guard(self, request: Request) -> Response | None:
         """None when the request may proceed; else the response that refuses it."""
@@ -193,7 +239,7 @@ class Dashboard:
             query = [(k, v) for k, v in request.query_params.multi_items() if k != "token"]
             target = self.link(request, request.url.path[len(self.root(request)) :] or "/", query)
             response = RedirectResponse(target, status_code=303)
-            self._set_cookie(request, response, SESSION_COOKIE, self._session_value())
+            self._sign_in(request, response)
             return response
         return self.render(request, "login.html", {"failed": given is not None}, status=401)
 
@@ -209,10 +255,18 @@ class Dashboard:
                 url += "?" + urlencode(pairs, doseq=False)
         return url
 
-    def _set_cookie(self, request: Request, response: Response, name: str, value: str) -> None:
+    def _set_cookie(
+        self,
+        request: Request,
+        response: Response,
+        name: str,
+        value: str,
+        max_age: float | None = None,
+    ) -> None:
         response.set_cookie(
             name,
             value,
+            max_age=None if max_age is None else math.ceil(max_age),
             path=self.root(request) + "/",
             httponly=True,
             samesite="strict",
@@ -241,6 +295,10 @@ class Dashboard:
     async def _check_post(self, request: Request) -> FormData:
         if not self.actions:
             raise Refused(403, "Actions are disabled on this dashboard (read-only).")
+        return await self._check_form(request)
+
+    async def _check_form(self, request: Request) -> FormData:
+        """The form of a POST from the dashboard's own page: same origin, CSRF token."""
         if not self._same_origin(request):
             raise Refused(403, "Refused: the request does not come from this dashboard's origin.")
         form = await request.form()
@@ -268,6 +326,7 @@ class Dashboard:
             csrf=csrf,
             entities=bool(self.data.entities),
             action_names=ACTIONS,
+            signed_in=self.token is not None and self._session(request) is not None,
             **context,
         )
         response = HTMLResponse(html, status_code=status)
@@ -703,7 +762,30 @@ class Dashboard:
         if not hmac.compare_digest(given.encode(), self.token.encode()):
             return self.render(request, "login.html", {"failed": True}, status=401)
         response = RedirectResponse(self.link(request, "/"), status_code=303)
-        self._set_cookie(request, response, SESSION_COOKIE, self._session_value())
+        self._sign_in(request, response)
+        return response
+
+    async def logout(self, request: Request) -> Response:
+        """Ends the sign-in: its value is refused from now on (in this process; in every process
+        sharing ``secret`` once it expires) and the browser forgets its cookie."""
+        if self.token is None:
+            return self._error(request, 404, "No such page.")
+        try:
+            await self._check_form(request)
+        except Refused as exc:
+            return self._error(request, exc.status, exc.message)
+        session = self._session(request)
+        if session is not None:
+            self._end_session(*session)
+            log.info("dashboard: signed out")
+        response = RedirectResponse(self.link(request, "/login"), status_code=303)
+        response.delete_cookie(
+            SESSION_COOKIE,
+            path=self.root(request) + "/",
+            httponly=True,
+            samesite="strict",
+            secure=request.url.scheme == "https",
+        )
         return response
 
     async def static(self, request: Request) -> Response:
@@ -755,6 +837,8 @@ def dashboard(
     refresh: float | None = None,
     title: str = "sqla_delayedq",
     clock: Callable[[], datetime] | None = None,
+    secret: str | bytes | None = None,
+    session_ttl: float = SESSION_TTL,
 ) -> Dashboard:
     """The dashboard as an ASGI app, to mount in your Starlette or FastAPI application.
 
@@ -774,6 +858,11 @@ def dashboard(
         this often (seconds).
     :param refresh: seconds between the overview's automatic refreshes (default: counts_ttl,
         at least 1).
+    :param secret: the key that signs sign-in cookies (with ``token``): give every process
+        serving the dashboard the same one, so a sign-in works on all of them; by default a
+        random key of this process (a restart signs everyone out).
+    :param session_ttl: seconds a sign-in lasts (12 hours by default); the Sign out button
+        ends it before.
     """
     if authorize is None and not token:
         raise InvalidArgument(
@@ -784,6 +873,12 @@ def dashboard(
         raise InvalidArgument("pass authorize= or token=, not both")
     if authorize is not None and not callable(authorize):
         raise InvalidArgument("authorize must be a function of the request")
+    if not (isinstance(session_ttl, int | float) and 0 < session_ttl < math.inf):
+        raise InvalidArgument(
+            f"session_ttl must be a positive number of seconds, got {session_ttl!r}"
+        )
+    if secret is not None and (not isinstance(secret, str | bytes) or len(secret) < 16):
+        raise InvalidArgument("secret must be a string or bytes of at least 16 characters")
     data = Data(target, queues=queues, tables=tables, counts_ttl=counts_ttl, clock=clock)
     return Dashboard(
         data,
@@ -792,4 +887,6 @@ def dashboard(
         actions=actions,
         title=title,
         refresh=refresh if refresh is not None else max(1.0, counts_ttl),
+        secret=secret,
+        session_ttl=session_ttl,
     )
