@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from datetime import datetime, timedelta, timezone
-from typing import cast
+from typing import Any, cast
 
 import pytest
 import sqlalchemy as sa
@@ -111,7 +111,7 @@ def test_the_database_servers_clock_is_read_now_and_in_utc(server_backend):
     engine.dispose()
 
 
-def _counting_rollbacks(monkeypatch: pytest.MonkeyPatch, cls: type) -> list[int]:
+def _counting_rollbacks(monkeypatch: pytest.MonkeyPatch, cls: Any) -> list[int]:
     """Count the ``ROLLBACK`` a driver's connection class sends (every call sends one)."""
     calls: list[int] = []
     rollback = cls.rollback
@@ -180,7 +180,7 @@ def test_mariadb_a_connection_returned_in_a_transaction_is_still_rolled_back(mar
 def test_mariadb_asyncio_engines_skip_the_rollback_after_a_commit_too(mariadb, monkeypatch):
     import asyncio
 
-    import aiomysql
+    import aiomysql  # type: ignore[import-untyped]
 
     from sqla_delayedq.aio import create_async_engine
 
