@@ -31,7 +31,7 @@ from . import _planner, _skew, controls
 from . import _statements as st
 from ._dialects import TAKE_ONLY, Listener, is_transient, strategy_class
 from ._handlers import is_cancellation
-from ._leases import Ahead, LeasedQueue, Polled, leases_apart
+from ._leases import Ahead, LeasedQueue, Polled, TakeUnsure, leases_apart
 from ._time import Clock, require_duration
 from ._types import Envelope, NackOutcome
 from ._wakeup import Wake
@@ -229,6 +229,9 @@ class Source(Protocol):
     def process_next(
         self, session: Session, handler: Callable[[Envelope[Any], Session], Any]
     ) -> tuple[tuple[Envelope[Any], BaseException | None, NackOutcome | None] | None, Ahead]: ...
+    def holding(
+        self, session: Session, envelopes: Sequence[Envelope[Any]]
+    ) -> list[Envelope[Any]]: ...
     def next_due(self, session: Session) -> datetime | None: ...
     def gate(self, session: Session) -> controls.QueueControls | None: ...
 
@@ -832,10 +835,80 @@ class BaseWorker(Generic[S]):
 
     def _take(self, reg: Registration, n: int) -> tuple[list[Envelope[Any]], Taken]:
         """Up to ``n`` envelopes, and whether more is due now; when not, in the same
-        transaction, when the next row is due."""
-        with self.rt.session() as s, s.begin():
-            s.info[TAKE_ONLY] = True  # its commit need not wait for the WAL flush (PostgreSQL)
-            return self._take_in(s, reg, n)
+        transaction, when the next row is due. A take that failed at its commit but did commit
+        is delivered all the same (see :meth:`_took`)."""
+        envs: list[Envelope[Any]] = []
+        try:
+            with self.rt.session() as s, s.begin():
+                s.info[TAKE_ONLY] = True  # its commit need not wait for the WAL flush (PostgreSQL)
+                envs, taken = self._take_in(s, reg, n)
+        except Exception as exc:
+            # ``envs`` is set once the take's statements ran: only its commit failed.
+            if not (envs and retryable(exc)):
+                raise
+            got = self._took(reg, envs, exc, "handling them")
+            if not got:
+                raise  # it did not commit (or cannot be read): the loop retries, as before
+            self.hooks.db_error(exc)
+            envs = got
+        return envs, taken
+
+    def _took(
+        self, reg: Registration, envs: list[Envelope[Any]], error: BaseException, then: str
+    ) -> list[Envelope[Any]] | None:
+        """After a take that failed at its commit (``error``), which may have happened (the
+        connection lost after COMMIT was sent): the envelopes it took if it committed (the
+        caller goes on with them, as ``then`` says), [] if it did not, None if that could not
+        be read (the lease runs out as before, and counts as an attempt; logged).
+
+        A lock token is written by its take alone: the take committed exactly when its rows
+        carry their tokens. Read in a transaction of its own, retried on transient errors up to
+        the lease, as a settle is. Left alone, such a take kept its messages leased under tokens
+        nobody held, then counted an attempt no handler had made (dead, with one allowed)."""
+        source = reg.source
+        delay = 0.05
+        deadline = time.monotonic() + max(reg.lease.total_seconds(), 1.0)
+        while True:
+            try:
+                with self.rt.session() as s, s.begin():
+                    got = source.holding(s, envs)
+                break
+            except Exception as exc:
+                if not retryable(exc):
+                    self._fail(exc, f"reading whether a take on {source.name} committed")
+                    return None
+                self._db_error(exc)
+                if time.monotonic() > deadline:
+                    log.error(
+                        "a take of %d message(s) on %s failed at its commit (%s), and whether "
+                        "that commit happened cannot be read; if it did, they stay leased until "
+                        "%s and that counts as an attempt (with one attempt allowed, they die "
+                        "unhandled): %s",
+                        len(envs),
+                        source.name,
+                        error,
+                        min(e.lease_until for e in envs).isoformat(),
+                        ", ".join(e.key for e in envs),
+                    )
+                    return None
+                self.rt.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        if got:
+            log.warning(
+                "a take of %d message(s) on %s committed, though its COMMIT raised (%s): %s",
+                len(got),
+                source.name,
+                error,
+                then,
+            )
+        else:
+            log.info(
+                "a take on %s failed at its commit, which did not happen: its messages are "
+                "due again (%s)",
+                source.name,
+                error,
+            )
+        return got
 
     def _take_in(self, s: Session, reg: Registration, n: int) -> tuple[list[Envelope[Any]], Taken]:
         polled = reg.source.poll_batch(s, n, lease=reg.lease)
@@ -948,27 +1021,39 @@ class BaseWorker(Generic[S]):
         """Acknowledge ``envs`` (how many were); with ``then`` and no stop requested, take up
         to ``then`` more in the same transaction. That transaction is the acknowledgement's:
         it commits durably. When it fails, none of it happened: the acknowledgement is made on
-        its own, retried as usual, and the take is left to the consumer's loop."""
+        its own, retried as usual, and the take is left to the consumer's loop. When it fails
+        at its commit, which may have happened, what it took tells whether it did (see
+        :meth:`_took`): if so, the consumer goes on with them."""
         if then and not self.rt.stopping:
             committing = False
+            taken: tuple[list[Envelope[Any]], Taken] = ([], Taken(0, False, None))
             try:
                 with self.rt.session() as s, s.begin():
                     acked = self._acknowledge(s, reg, envs)
                     taken = self._take_in(s, reg, then)
                     committing = True  # only a failure from here on may hide a commit
-                # In flight from its commit on, so a stop that comes first releases them.
-                self._in_flight.add(reg, *taken[0])
-                return acked, taken
             except Exception as exc:
-                if retryable(exc):
-                    self._db_error(exc)
-                else:  # the consumer's next take meets it again if it lasts, and stops on it
-                    log.warning(
-                        "acknowledging and taking on %s failed; acknowledging alone: %s",
-                        reg.source.name,
-                        exc,
-                    )
-                return self._settle(reg, envs[0], "ack", envs, after_failure=committing) or 0, None
+                got = None
+                if committing and taken[0] and retryable(exc):
+                    # What it took tells whether the transaction committed, the ack with it.
+                    got = self._took(reg, taken[0], exc, "handling them")
+                    committing = got is None  # unless that could not be read, it is known
+                if not got:
+                    if retryable(exc):
+                        self._db_error(exc)
+                    else:  # the consumer's next take meets it again if it lasts, and stops on it
+                        log.warning(
+                            "acknowledging and taking on %s failed; acknowledging alone: %s",
+                            reg.source.name,
+                            exc,
+                        )
+                    ack = self._settle(reg, envs[0], "ack", envs, after_failure=committing)
+                    return ack or 0, None
+                self.hooks.db_error(exc)
+                taken = (got, taken[1])
+            # In flight from its commit on, so a stop that comes first releases them.
+            self._in_flight.add(reg, *taken[0])
+            return acked, taken
         return self._settle(reg, envs[0], "ack", envs) or 0, None
 
     @staticmethod
@@ -1098,11 +1183,14 @@ class BaseWorker(Generic[S]):
                     raise
                 if result is None:
                     return Taken(0, False, self._idle(s, reg))
-        except Exception:
+        except Exception as exc:
             # The transaction failed (a lost connection, a deadlock, a failed commit): as for a
             # plain take, the message is due again at once, no attempt counted. A lease taken
             # apart would otherwise hold it for a whole lease and count a lost attempt. (After
             # a commit that did happen, the release finds no such token and changes nothing.)
+            # So is a lease whose own commit failed, if it happened: its handler never ran.
+            if isinstance(exc, TakeUnsure):
+                leased += self._took(reg, exc.envelopes, exc, "releasing them, uncounted") or []
             for env in leased:
                 self._settle(reg, env, "release")
             raise

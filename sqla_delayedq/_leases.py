@@ -28,20 +28,29 @@ from ._dialects import (
     Claimed,
     Claims,
     Strategy,
+    is_transient,
     strategy_for,
     transient_as_ours,
 )
 from ._handlers import run_in_savepoint
-from ._rules import after_failure, held_parts, hold, lease_exhausted, lost_lease_error
+from ._rules import after_failure, carries, held_parts, hold, lease_exhausted, lost_lease_error
 from ._time import Clock, require_aware, require_duration
 from ._types import Envelope, NackOutcome
 from ._wakeup import announce
-from .errors import DecodeError, InvalidArgument
+from .errors import DecodeError, InvalidArgument, TransientError
 from .retry import RetryPolicy
 
 T = TypeVar("T")
 
-__all__ = ["UNSEEN", "Ahead", "LeaseLost", "LeasedQueue", "Processed", "check_count"]
+__all__ = [
+    "UNSEEN",
+    "Ahead",
+    "LeaseLost",
+    "LeasedQueue",
+    "Processed",
+    "TakeUnsure",
+    "check_count",
+]
 
 #: What transactional processing of one row returns: the envelope, the handler's error (None:
 #: handled and acknowledged in the caller's transaction) and what the failure did.
@@ -63,6 +72,19 @@ UNSEEN = Ahead(False, None)
 
 class LeaseLost(Exception):
     """The handler finished, but its lease was lost meanwhile; nothing was acknowledged."""
+
+
+class TakeUnsure(TransientError):
+    """A take committed apart failed at its commit, which may have happened (the connection
+    was lost after COMMIT was sent): ``envelopes`` are what it took, which a consumer finds
+    still leased under their tokens if it did (see :meth:`LeasedQueue.holding`)."""
+
+    def __init__(self, queue: str, envelopes: Sequence[Envelope[Any]]) -> None:
+        super().__init__(
+            f"the take of {len(envelopes)} message(s) on {queue} failed at its commit, which "
+            "may have happened; roll back and run the transaction again"
+        )
+        self.envelopes = list(envelopes)
 
 
 def check_count(n: Any) -> int:
@@ -286,9 +308,26 @@ class LeasedQueue(abc.ABC, Generic[T]):
         if not leases_apart(session):
             return self.poll_batch(session, n).envelopes
         bind = session.get_bind()
-        with Session(bind=bind.engine, expire_on_commit=False) as side, side.begin():
-            taken = self.poll_batch(side, n).envelopes
+        taken: list[Envelope[T]] = []
+        try:
+            with Session(bind=bind.engine, expire_on_commit=False) as side, side.begin():
+                taken = self.poll_batch(side, n).envelopes
+        except Exception as exc:
+            if taken and is_transient(exc):  # it failed at its commit, which may have happened
+                raise TakeUnsure(self.name, taken) from exc
+            raise
         return [self._adopt(session, e) for e in taken]
+
+    @transient_as_ours
+    def holding(self, session: Session, envelopes: Sequence[Envelope[T]]) -> list[Envelope[T]]:
+        """Those of ``envelopes`` whose rows are still theirs to settle (they carry their lock
+        tokens): after a take whose commit's outcome is unknown, the ones it took if it
+        committed, none if it did not (a token is written by its take alone)."""
+        if not envelopes:
+            return []
+        rows = session.execute(st.tokens_of(self.shape, [e.id for e in envelopes])).all()
+        tokens = {row_id: token for row_id, token in rows}
+        return [e for e in envelopes if carries(tokens.get(e.id), e.lock_token)]
 
     def _adopt(self, session: Session, envelope: Envelope[T]) -> Envelope[T]:
         """An envelope taken in another session, for use in ``session`` (an entity queue loads

@@ -25,6 +25,7 @@ __all__ = [
     "Failure",
     "OfferRule",
     "after_failure",
+    "carries",
     "check_priority",
     "held_due",
     "held_parts",
@@ -204,6 +205,14 @@ def held_due(token: str | None) -> datetime | None:
     """The due time a held token keeps (None: not held, or it keeps none)."""
     parts = held_parts(token)
     return None if parts is None else parts[0]
+
+
+def carries(token: str | None, delivery: str) -> bool:
+    """Whether a row's lock token is the one a delivery took it under, or holds the row for
+    that delivery (an offer updated it meanwhile, see :func:`hold`): the row is still the
+    delivery's to settle."""
+    parts = held_parts(token)
+    return token == delivery if parts is None else parts[1] == delivery
 
 
 def lost_token(token: str | None) -> str | None:

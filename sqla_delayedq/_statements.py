@@ -744,6 +744,11 @@ def select_held(shape: Shape, row_id: Any, token: str) -> Select[Any]:
     return select(shape.token, shape.due).where(shape.id == row_id, held).with_for_update()
 
 
+def tokens_of(shape: Shape, ids: Sequence[Any]) -> Select[Any]:
+    """The (id, lock token) of the rows ``ids``, unlocked (a primary-key read)."""
+    return select(shape.id, shape.token).where(shape.id.in_(ids))
+
+
 def set_held(
     shape: Shape, row_id: Any, held_token: str, token: str | None, due: datetime
 ) -> Update:

@@ -18,7 +18,9 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.orm import Session
 
+from sqla_delayedq import TransientError
 from sqla_delayedq.aio import AsyncWorker, create_async_engine
 from sqla_delayedq.worker import Worker
 from tests.fix_db import ASYNC_DRIVERS, Backend
@@ -125,3 +127,23 @@ def running(worker: Any, drain_timeout: float = 10.0) -> Iterator[Any]:
         yield worker
     finally:
         worker.stop(drain_timeout)
+
+
+@contextlib.contextmanager
+def losing_a_commit_reply(which: Callable[[Session], bool]) -> Iterator[list[bool]]:
+    """Lose the reply of the next commit ``which`` picks once armed (append True to the list
+    yielded): the commit happens, then the error a dropped connection raises is injected. Not
+    a savepoint's release (the controls are read in one), which fires the event too."""
+    armed: list[bool] = []
+
+    def lose_the_reply(session: Session) -> None:
+        if session.in_nested_transaction():
+            return
+        if armed and which(session) and armed.pop():
+            raise TransientError("injected: the connection was lost after COMMIT")
+
+    sa.event.listen(Session, "after_commit", lose_the_reply)
+    try:
+        yield armed
+    finally:
+        sa.event.remove(Session, "after_commit", lose_the_reply)

@@ -715,6 +715,31 @@ def test_an_update_of_a_message_in_flight_waits_for_the_old_delivery(
         assert q.ack(s, new)
 
 
+def test_holding_tells_whether_a_take_committed(backend, make_queue, clock):
+    """What a consumer reads after a take whose commit failed where it may have happened: the
+    envelopes whose rows carry their tokens (also held for an update made since) if it
+    committed; none if it rolled back or they were settled since."""
+    q = make_queue(lease=timedelta(seconds=30))
+    with backend.Session() as s, s.begin():
+        q.offer(s, "a", {"v": 1})
+        q.offer(s, "b", {"v": 1})
+    with backend.Session() as s:
+        lost = q.try_poll_many(s, 2)
+        s.rollback()  # the take did not commit
+        assert q.holding(s, lost) == []
+    with backend.Session() as s, s.begin():
+        taken = q.try_poll_many(s, 2)
+    assert len(taken) == 2 and {e.lock_token for e in taken}.isdisjoint(e.lock_token for e in lost)
+    with backend.Session() as s, s.begin():
+        assert q.holding(s, lost) == []  # another take's tokens
+        assert q.holding(s, taken) == taken
+        q.offer(s, "a", {"v": 2})  # held for this delivery: still its to settle
+    with backend.Session() as s, s.begin():
+        assert q.holding(s, taken) == taken
+        assert q.ack(s, taken[1])
+        assert q.holding(s, taken) == taken[:1]
+
+
 @pytest.mark.parametrize("end", ["ack", "lease runs out"])
 def test_an_update_in_flight_keeps_its_own_later_time(backend, make_queue, clock, end):
     """A replacement due later than the old lease ends is due at its own time once the hold

@@ -47,7 +47,7 @@ from sqla_delayedq.testing import (
     drain_async,
 )
 from sqla_delayedq.worker import Worker, WorkerHooks
-from tests.fix_workers import AsyncRunner, running, waiting
+from tests.fix_workers import AsyncRunner, losing_a_commit_reply, running, waiting
 
 MODES = ("lease", "transactional")
 DEAD = NackOutcome.DEAD
@@ -1351,6 +1351,118 @@ def test_a_settle_whose_commit_reply_was_lost_says_what_the_message_may_be(
     with backend.Session() as s:
         info = q.get(s, "m")
     assert info is not None and info.state is State.DEAD
+
+
+@pytest.mark.parametrize("shape", ["single", "batch", "chained"])
+def test_a_take_whose_commit_reply_was_lost_delivers_what_it_took(
+    backend, make_worker, shape, caplog
+):
+    """A take commits but its reply is lost (the connection dropped after COMMIT). The worker
+    took it for a failed take: its messages stayed leased under a token nobody held until the
+    lease ran out, which counted as an attempt: with one attempt allowed they died ("lease ran
+    out") though no handler had run. The worker now reads whether the take committed and, as
+    it did, runs their handlers: each exactly once, none dead. ``chained``: the take that rides
+    in the first message's acknowledgement (a full take chains the next)."""
+    from sqla_delayedq._dialects import TAKE_ONLY
+
+    retry = ExponentialBackoff(max_attempts=1, initial=timedelta(hours=1), jitter=0)
+    q: DelayedQueue[Any] = DelayedQueue(
+        f"lost-take-{shape}", lease=timedelta(seconds=1), retry=retry
+    )
+    keys = ["a", "b", "c"] if shape == "batch" else ["a", "b"] if shape == "chained" else ["a"]
+    for key in keys:
+        offer(backend, q, key)
+    calls: list[str] = []
+    chained = shape == "chained"
+
+    def handle(*keys: str) -> None:
+        calls.extend(keys)
+        if chained and len(calls) == 1:
+            armed.append(True)  # the next commit is this acknowledgement and the next take
+
+    def take(session: Session) -> bool:
+        return chained or bool(session.info.get(TAKE_ONLY))
+
+    with losing_a_commit_reply(take) as armed:
+        if not chained:
+            armed.append(True)
+        # No side task that commits (the statistics keeper) may take the injected error.
+        worker = make_worker(
+            backend, concurrency=1, poll_interval=0.05, listen=False, keep_statistics=False
+        )
+        if shape == "batch":
+            worker.register_batch(q, lambda envs: handle(*(e.key for e in envs)), batch_size=10)
+        else:
+            worker.register(q, lambda env: handle(env.key))
+        with caplog.at_level("INFO", logger="sqla_delayedq"), running(worker):
+            assert wait_for(lambda: pending(backend, q) == 0, 15)
+    assert not armed, "the injected fault never hit"
+    assert sorted(calls) == keys  # each handler ran, once
+    with backend.Session() as s:
+        assert q.counts(s).dead == 0
+    assert "committed, though" in caplog.text  # the fault hit a take
+
+
+def test_a_take_whose_commit_outcome_cannot_be_read_says_so(backend, make_worker, caplog):
+    """The take's commit failed where it may have happened, and the database cannot be read
+    until the lease: the worker goes on as before (if the take committed, its lease runs out
+    and counts as an attempt) and an error says so, with the keys."""
+    from sqla_delayedq._dialects import TAKE_ONLY
+
+    q: DelayedQueue[Any] = DelayedQueue("lost-take-unread", lease=timedelta(seconds=1))
+    offer(backend, q, "m")
+    calls: list[tuple[int, Delivery]] = []
+
+    def unreadable(session: Session, envelopes: Any) -> Any:
+        raise TransientError("injected: the database is unreachable")
+
+    q.holding = unreadable  # type: ignore[method-assign]
+    with losing_a_commit_reply(lambda s: bool(s.info.get(TAKE_ONLY))) as armed:
+        armed.append(True)
+        worker = make_worker(
+            backend, concurrency=1, poll_interval=0.05, listen=False, keep_statistics=False
+        )
+        worker.register(q, lambda env: calls.append((env.attempt, env.delivery)))
+        with caplog.at_level("WARNING", logger="sqla_delayedq"), running(worker):
+            assert wait_for(lambda: pending(backend, q) == 0, 15)
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any("cannot be read" in m and "counts as an attempt" in m and ": m" in m for m in errors)
+    assert calls == [(2, Delivery.REDELIVERY)]  # it had committed: the lost lease counted
+
+
+def test_a_limited_transactional_take_whose_commit_reply_was_lost_is_due_again_uncounted(
+    server_backend, make_worker, caplog
+):
+    """A limited queue's transactional take commits its lease apart. When that commit's reply
+    was lost, the lease stayed under a token nobody held until it ran out, then counted as an
+    attempt: dead with one attempt allowed, the handler never run. The take is now found
+    committed and released, uncounted: the handler runs once, on a first delivery."""
+    retry = ExponentialBackoff(max_attempts=1, initial=timedelta(hours=1), jitter=0)
+    q: DelayedQueue[Any] = DelayedQueue(
+        "limited-lost-take", lease=timedelta(seconds=1), retry=retry
+    )
+    with server_backend.Session() as s, s.begin():
+        q.set_limits(s, max_in_flight=5)
+    offer(server_backend, q, "m")
+    calls: list[tuple[int, Delivery]] = []
+
+    def handler(env: Envelope[Any], session: Any) -> None:
+        calls.append((env.attempt, env.delivery))
+
+    # The worker's first commit is the take's lease (no side task commits before it).
+    with losing_a_commit_reply(lambda s: True) as armed:
+        armed.append(True)
+        worker = make_worker(
+            server_backend, concurrency=1, poll_interval=0.05, listen=False, keep_statistics=False
+        )
+        worker.register(q, handler, mode="transactional")
+        with caplog.at_level("INFO", logger="sqla_delayedq"), running(worker):
+            assert wait_for(lambda: pending(server_backend, q) == 0, 15)
+    assert not armed, "the injected fault never hit"
+    assert calls == [(1, Delivery.FIRST)]
+    with server_backend.Session() as s:
+        assert q.counts(s).dead == 0
+    assert "committed, though" in caplog.text  # the fault hit the take
 
 
 @pytest.mark.parametrize("shape", ["single", "batch"])

@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 from sqla_delayedq import Delivery, EntityCounts, EntityQueue, Envelope, ExponentialBackoff
 from tests.entity_app.models import Base, Order
 from tests.fix_db import Backend
-from tests.fix_workers import running
+from tests.fix_workers import losing_a_commit_reply, running
 
 MODES = ("lease", "transactional")
 
@@ -101,6 +101,33 @@ def test_an_entity_whose_lease_ran_out_is_redelivered_as_an_attempt(db, make_wor
     with db.Session() as s:
         order = s.get(Order, order_id)
         assert order is not None and order.queue_attempts == 2
+
+
+def test_an_entity_take_whose_commit_reply_was_lost_runs_its_handler_once(db, make_worker):
+    """The take commits, its reply is lost: the entity stayed leased under a token nobody held,
+    then the lost lease counted as its one attempt and it failed unhandled. The worker reads
+    that the take committed and runs the handler, once."""
+    from sqla_delayedq._dialects import TAKE_ONLY
+
+    retry = ExponentialBackoff(max_attempts=1, initial=timedelta(hours=1), jitter=0)
+    queue = EntityQueue(Order, lease=timedelta(seconds=1), retry=retry)
+    [order_id] = add_scheduled(db, queue, 1)
+    seen: list[tuple[Any, Delivery, int]] = []
+
+    def handler(envelope: Envelope[Order]) -> None:
+        seen.append((envelope.id, envelope.delivery, envelope.attempt))
+
+    with losing_a_commit_reply(lambda s: bool(s.info.get(TAKE_ONLY))) as armed:
+        armed.append(True)
+        worker = make_worker(
+            db, concurrency=1, poll_interval=0.05, listen=False, keep_statistics=False
+        )
+        worker.register(queue, handler)
+        with running(worker):
+            assert wait_for(lambda: counts(db, queue).pending == 0, 15)
+    assert not armed, "the injected fault never hit"
+    assert seen == [(order_id, Delivery.FIRST, 1)]
+    assert counts(db, queue).succeeded == 1
 
 
 def test_a_long_lease_mode_entity_handler_keeps_its_lease(db, make_worker):
