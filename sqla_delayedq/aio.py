@@ -172,6 +172,11 @@ class AsyncQueue(Generic[T]):
     ) -> list[Envelope[T]]:
         return await session.run_sync(lambda s: self.queue.try_poll_many(s, n, lease=lease))
 
+    async def holding(
+        self, session: AsyncSession, envelopes: Sequence[Envelope[T]]
+    ) -> list[Envelope[T]]:
+        return await session.run_sync(lambda s: self.queue.holding(s, envelopes))
+
     async def consume(self, session: AsyncSession, n: int = 1) -> list[Envelope[T]]:
         return await session.run_sync(lambda s: self.queue.consume(s, n))
 
