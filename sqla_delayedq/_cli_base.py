@@ -307,14 +307,19 @@ class RawQueue(DelayedQueue[Any]):
 
 @functools.cache
 def model_for(table: str) -> type[QueueMessageMixin]:
-    """The default mapped class, or one mapped on ``table`` for a table of the user's own."""
+    """The default mapped class, or one mapped on ``table`` for a table of the user's own:
+    ``schema.name`` names a table in a schema (on MariaDB/MySQL, in another database of the
+    server), as the application's model does with ``schema=``."""
     if table == DelayedMessage.__tablename__:
         return DelayedMessage
+    schema, dot, name = table.rpartition(".")
+    if not name or (dot and not schema):
+        raise BadInput(f"--table: {table!r} is not a table name, nor schema.name")
 
     class Base(DeclarativeBase):
-        metadata = sa.MetaData(naming_convention=NAMING_CONVENTION)
+        metadata = sa.MetaData(schema=schema or None, naming_convention=NAMING_CONVENTION)
 
-    model = type("CliMessage", (QueueMessageMixin, Base), {"__tablename__": table})
+    model = type("CliMessage", (QueueMessageMixin, Base), {"__tablename__": name})
     return cast("type[QueueMessageMixin]", model)
 
 
@@ -412,20 +417,20 @@ def table_problem(
     inspector = sa.inspect(conn)
     where = conn.engine.url.render_as_string(hide_password=True)
     if not inspector.has_table(t.name, schema=t.schema):
-        if t.name == DelayedMessage.__tablename__:
+        if t.fullname == DelayedMessage.__tablename__:
             advice = "create it with 'delayedq db upgrade'"
         else:
             advice = (
                 "it is your application's table: create it with your own migrations "
                 "(e.g. alembic upgrade head)"
             )
-        return f"table {t.name!r} does not exist in {where}; {advice}"
+        return f"table {t.fullname!r} does not exist in {where}; {advice}"
     columns = {c["name"] for c in inspector.get_columns(t.name, t.schema)}
     if entity:
         if ENTITY_COLUMN in columns:
             return None
         return (
-            f"table {t.name!r} in {where} is not an entity-queue table: it lacks the "
+            f"table {t.fullname!r} in {where} is not an entity-queue table: it lacks the "
             f"EntityQueueMixin column {ENTITY_COLUMN}; migrate it to your model "
             "(e.g. alembic upgrade head)"
         )
@@ -434,13 +439,13 @@ def table_problem(
         return None
     if ENTITY_COLUMN in columns:
         return (
-            f"table {t.name!r} is an entity-queue table (it has {ENTITY_COLUMN}, from "
+            f"table {t.fullname!r} is an entity-queue table (it has {ENTITY_COLUMN}, from "
             "EntityQueueMixin), not a message table: the delayedq commands read tables made "
             "with QueueMessageMixin; count entity queues with EntityQueue.counts() in your code"
         )
     advice = "; migrate it to your model (e.g. alembic upgrade head)" if from_app else ""
     return (
-        f"table {t.name!r} in {where} is not a message table: it lacks the "
+        f"table {t.fullname!r} in {where} is not a message table: it lacks the "
         f"QueueMessageMixin column{'s' if len(missing) > 1 else ''} {', '.join(missing)}{advice}"
     )
 

@@ -16,7 +16,7 @@ from ._cli_base import BadInput, db_options, emit_json, json_option, parse_durat
 from ._cli_target import open_db
 from .controls import UNSET, QueueControls
 from .errors import InvalidArgument
-from .models import controls_table
+from .models import controls_table, table_key
 
 
 def parse_rate(text: str) -> tuple[int, timedelta]:
@@ -154,7 +154,7 @@ def controls(
     """List the queues of the table that are paused or limited."""
     db = open_db(ctx, url, table, app=app)
     t = controls_table
-    stmt = select(t.c.queue).where(t.c.table_name == db.table.name).order_by(t.c.queue)
+    stmt = select(t.c.queue).where(t.c.table_name == table_key(db.table)).order_by(t.c.queue)
     with db.sessions() as s:
         found = {q: db.queue(q).controls(s) for q in s.scalars(stmt)}
     found = {q: c for q, c in found.items() if not c.plain}

@@ -34,7 +34,7 @@ from ._cli_base import (
 from ._engine import SYNC_DRIVERS, sync_driver_url
 from ._handlers import is_async_callable
 from ._queue import DelayedQueue
-from .models import QueueMessageMixin
+from .models import QueueMessageMixin, table_key
 
 __all__ = [
     "APP_ENV_VAR",
@@ -175,7 +175,7 @@ class AppDatabase:
     def tables(self) -> dict[str, list[DelayedQueue[Any]]]:
         by_table: dict[str, list[DelayedQueue[Any]]] = {}
         for q in self.queues:
-            by_table.setdefault(q.table.name, []).append(q)
+            by_table.setdefault(table_key(q.table), []).append(q)
         return by_table
 
 
@@ -229,7 +229,7 @@ def app_database(
     app = AppDatabase(worker, spec)
     ctx.call_on_close(app.close)
     model = pick_model(app, table, names)
-    name: str = model.__table__.name  # type: ignore[attr-defined]
+    name = table_key(model.__table__)  # type: ignore[attr-defined]
     url = app.engine.url.render_as_string(hide_password=False)
     return app, Db(url, name, app.engine, app.sessions, model)
 

@@ -56,6 +56,7 @@ from ._cli_target import (
 from ._handlers import is_async_callable
 from ._queue import DelayedQueue
 from .entity import EntityQueue
+from .models import table_key
 from .retry import ExponentialBackoff
 from .serializers import BytesSerializer, JsonSerializer, Serializer
 
@@ -268,7 +269,7 @@ def run_user_worker(
         "running %s: %s serving %s",
         target,
         type(worker).__name__,
-        ", ".join(f"{q.name} ({q.table.name})" for q in queues) or "no queue",
+        ", ".join(f"{q.name} ({table_key(q.table)})" for q in queues) or "no queue",
     )
     tables = list({q.table.key: q.table for q in queues}.values())
     entities = {q.table for q in queues if isinstance(q, EntityQueue)}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import functools
+import hashlib
 import json
 import logging
 import secrets
@@ -55,6 +56,7 @@ from ._time import DateTimeUTC
 from ._wakeup import Wake, payload_tail
 from ._wakeup import parse as parse_wake
 from .errors import DelayedQueueError, TransientError, UnsupportedBackend
+from .models import table_key
 
 __all__ = [
     "TAKE_ONLY",
@@ -502,8 +504,15 @@ class PostgreSQLStrategy(Strategy):
 
     @staticmethod
     def channel(table: str) -> str:
-        """The ``LISTEN``/``NOTIFY`` channel of a table (an identifier of at most 63 bytes)."""
-        return f"delayedq_{table}"[:63]
+        """The ``LISTEN``/``NOTIFY`` channel of a table, by its :func:`~.models.table_key`
+        (an identifier of at most 63 bytes: a longer one keeps its start and ends with a hash
+        of the whole, so two tables never share a channel and ``pg_notify`` never refuses it)."""
+        channel = f"delayedq_{table}"
+        if len(channel.encode()) <= 63:
+            return channel
+        digest = hashlib.blake2b(channel.encode(), digest_size=8).hexdigest()
+        head = channel.encode()[: 63 - len(digest) - 1].decode(errors="ignore")
+        return f"{head}~{digest}"
 
     def insert_one(
         self, session: Session, t: Table, row: dict[str, Any], *, notify: str | None = None
@@ -517,7 +526,7 @@ class PostgreSQLStrategy(Strategy):
     def _insert_notify(self, t: Table, queue: str) -> Any:
         values = {c: bindparam(c, type_=t.c[c].type) for c in INSERT_COLUMNS}
         ins = self.insert_ignore(t).values(values).returning(t.c.id).cte("ins")
-        return select(ins.c.id, func.pg_notify(literal(self.channel(t.name)), literal(queue)))
+        return select(ins.c.id, func.pg_notify(literal(self.channel(table_key(t))), literal(queue)))
 
     def notify(self, session: Session, notes: Sequence[tuple[str, str]]) -> None:
         if notes:
@@ -568,7 +577,7 @@ class PostgreSQLStrategy(Strategy):
         if notify is None:
             stmt = self.cached(t, "insert_rows", lambda: st.recordset_insert(t))
         else:
-            note = (self.channel(t.name), payload_tail(notify))
+            note = (self.channel(table_key(t)), payload_tail(notify))
             stmt = self.cached(
                 t, f"insert_rows+notify:{notify}", lambda: st.recordset_insert(t, note)
             )

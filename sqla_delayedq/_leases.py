@@ -38,6 +38,7 @@ from ._time import Clock, require_aware, require_duration
 from ._types import Envelope, NackOutcome
 from ._wakeup import announce
 from .errors import DecodeError, InvalidArgument, TransientError
+from .models import table_key
 from .retry import RetryPolicy
 
 T = TypeVar("T")
@@ -139,8 +140,8 @@ class LeasedQueue(abc.ABC, Generic[T]):
 
     @property
     def wake_key(self) -> str:
-        """The table whose commits wake this queue's consumers."""
-        return self.shape.table.name
+        """Its table's name in its controls and wake-ups: ``schema.name`` in a schema."""
+        return table_key(self.shape.table)
 
     # -- what the two kinds of queue say ------------------------------------------------------
 
@@ -215,7 +216,7 @@ class LeasedQueue(abc.ABC, Generic[T]):
     ) -> Polled[T]:
         """A take of a paused or limited queue: at most what its controls admit now."""
         session.info.pop(TAKE_ONLY, None)  # the controls' records must outlive a server crash
-        table = self.shape.table.name
+        table = self.wake_key
 
         def in_flight(now: datetime) -> int:
             lock = strategy.snapshot_may_be_old(session)
@@ -287,7 +288,7 @@ class LeasedQueue(abc.ABC, Generic[T]):
     def gate(self, session: Session) -> ctl.QueueControls | None:
         """This queue's controls as this process last read them (at most
         :data:`~sqla_delayedq.controls.REFRESH` seconds ago); None when it is plain."""
-        return ctl.lookup(session, self.shape.table.name, self.name)
+        return ctl.lookup(session, self.wake_key, self.name)
 
     def _transactional_gate(self, session: Session) -> str:
         """Before a transactional take: ``"plain"``, ``"paused"`` or ``"limited"`` (take
@@ -361,11 +362,11 @@ class LeasedQueue(abc.ABC, Generic[T]):
     def pause(self, session: Session) -> ctl.QueueControls:
         """Stop every consumer of this queue, in every process, from taking (offers are still
         accepted; messages in flight finish). Takes effect when the session commits."""
-        return ctl.change(session, self.shape.table.name, self.name, self.now(), paused=True)
+        return ctl.change(session, self.wake_key, self.name, self.now(), paused=True)
 
     def resume(self, session: Session) -> ctl.QueueControls:
         """Undo :meth:`pause`; idle consumers wake at once (on PostgreSQL, in every process)."""
-        return ctl.change(session, self.shape.table.name, self.name, self.now(), paused=False)
+        return ctl.change(session, self.wake_key, self.name, self.now(), paused=False)
 
     def set_limits(
         self,
@@ -379,7 +380,7 @@ class LeasedQueue(abc.ABC, Generic[T]):
         limit; an argument left out is kept. Takes effect when the session commits."""
         return ctl.change(
             session,
-            self.shape.table.name,
+            self.wake_key,
             self.name,
             self.now(),
             max_in_flight=max_in_flight,
@@ -388,7 +389,7 @@ class LeasedQueue(abc.ABC, Generic[T]):
 
     def controls(self, session: Session) -> ctl.QueueControls:
         """The queue's controls as the database holds them now."""
-        return ctl.read(session, self.shape.table.name, self.name)
+        return ctl.read(session, self.wake_key, self.name)
 
     def next_due(self, session: Session) -> datetime | None:
         """When the next row becomes due after now (None: nothing scheduled)."""

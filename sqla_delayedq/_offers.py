@@ -38,7 +38,7 @@ from ._time import require_aware
 from ._types import OfferMode, OfferResult, Outcome
 from ._wakeup import announce, notify_pending, payload
 from .errors import ConcurrentUpdate, InvalidArgument
-from .models import KEY_MAX
+from .models import KEY_MAX, table_key
 
 __all__ = ["OfferInput", "Target", "message_key", "offer_batch", "offer_one"]
 
@@ -81,7 +81,7 @@ def message_key(key: str | None) -> str:
 def wake(q: Target, session: Session, strategy: Strategy, count: int) -> None:
     """Wake ``count`` idle consumers when the transaction commits (see :mod:`._wakeup`)."""
     if q.notify and count:
-        announce(session, strategy, q.table.name, q.name, count)
+        announce(session, strategy, table_key(q.table), q.name, count)
 
 
 # -- one message -------------------------------------------------------------------------------
@@ -128,7 +128,7 @@ def _insert_new(q: Target, session: Session, strategy: Strategy, row: dict[str, 
     if not strategy.insert_one(session, q.table, row, notify=notify):
         return False
     if notify is not None:
-        announce(session, strategy, q.table.name, q.name, sent=1, carried=notify)
+        announce(session, strategy, table_key(q.table), q.name, sent=1, carried=notify)
     return True
 
 
@@ -173,7 +173,7 @@ def offer_alone(
 
 def _notify_on_insert(q: Target, session: Session, strategy: Strategy) -> str | None:
     """The queue to wake from the insert itself (PostgreSQL piggybacks ``NOTIFY`` on it)."""
-    if q.notify and strategy.has_notify and notify_pending(session, q.table.name, q.name):
+    if q.notify and strategy.has_notify and notify_pending(session, table_key(q.table), q.name):
         return q.name
     return None
 
@@ -379,7 +379,7 @@ def _offer_chunk(
     written = strategy.insert_rows(session, t, q.name, q.codec.type_name, now, rows, notify=notify)
     if notify is not None and written:
         sent = len(written)
-        announce(session, strategy, t.name, q.name, sent=sent, carried=payload(q.name, sent))
+        announce(session, strategy, table_key(t), q.name, sent=sent, carried=payload(q.name, sent))
     for row in rows:
         if row.key not in written:
             continue

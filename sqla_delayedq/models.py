@@ -19,6 +19,7 @@ not pending (done or dead).
 
 from __future__ import annotations
 
+import hashlib
 from datetime import datetime
 from typing import Any
 
@@ -43,6 +44,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import mysql, postgresql
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, declared_attr, mapped_column
+from sqlalchemy.sql import TableClause
 from sqlalchemy.sql.naming import conv
 from sqlalchemy.types import JSON, TypeDecorator
 
@@ -58,11 +60,14 @@ __all__ = [
     "QueueMessageMixin",
     "metadata",
     "stats_table",
+    "table_key",
     "workers_table",
 ]
 
 KEY_MAX = 200
 QUEUE_MAX = 100
+#: The width of the ``table_name`` columns of our tables (controls, stats): :func:`table_key`.
+TABLE_KEY_MAX = 100
 ERROR_MAX = 8000
 STATUSES = ("pending", "done", "dead")
 
@@ -275,9 +280,29 @@ stats_table = Table(
 )
 
 
+def table_key(table: TableClause) -> str:
+    """How a message table is named wherever processes share it by name: in the
+    ``table_name`` of its queue controls and per-minute counters, its wake-ups and its
+    ``NOTIFY`` channel.
+
+    A table without a schema is its bare name, as it always was (rows already stored keep
+    working); a table with one is ``schema.name``, so same-named tables in two schemas (two
+    databases of one MariaDB server) keep their queues' controls apart. A qualified name
+    longer than :data:`TABLE_KEY_MAX` keeps its start and ends with a hash of the whole.
+    """
+    if table.schema is None:
+        return table.name
+    key = f"{table.schema}.{table.name}"
+    if len(key) <= TABLE_KEY_MAX:
+        return key
+    digest = hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
+    return f"{key[: TABLE_KEY_MAX - len(digest) - 1]}~{digest}"
+
+
 #: Queue controls (revision ``delayedq_0004``, :mod:`sqla_delayedq.controls`): one row per queue
-#: that was ever paused or limited; a queue without a row is plain. ``queue`` is the queue's name
-#: (an entity queue's: its table's).
+#: that was ever paused or limited; a queue without a row is plain. ``table_name`` is the
+#: :func:`table_key` of the queue's table, ``queue`` the queue's name (an entity queue's: its
+#: table's).
 controls_table = Table(
     "delayedq_queue_controls",
     metadata,

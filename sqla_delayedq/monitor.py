@@ -51,7 +51,7 @@ from sqlalchemy.orm import Session
 from ._consumer import BaseWorker, WorkerHooks, retryable
 from ._types import Envelope, NackOutcome
 from .errors import InvalidArgument
-from .models import stats_table, workers_table
+from .models import stats_table, table_key, workers_table
 
 __all__ = [
     "DEAD_AFTER_BEATS",
@@ -137,7 +137,7 @@ class WorkerMonitor(WorkerHooks):
     def _table_of(self, queue: str) -> str:
         for q in self.worker.queues:
             if q.name == queue:
-                return str(q.table.name)
+                return table_key(q.table)
         return ""
 
     def _count(self, queue: str, index: int, *more: int) -> None:
@@ -163,7 +163,7 @@ class WorkerMonitor(WorkerHooks):
     # -- the heartbeat (a periodic task of the worker) -------------------------------------
 
     def _queues(self) -> str:
-        return json.dumps([f"{q.table.name}:{q.name}" for q in self.worker.queues])
+        return json.dumps([f"{table_key(q.table)}:{q.name}" for q in self.worker.queues])
 
     def _runtime(self) -> str:
         return "asyncio" if type(self.worker).__name__ == "AsyncWorker" else "threads"

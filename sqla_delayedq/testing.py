@@ -43,7 +43,7 @@ from ._time import require_aware
 from ._types import Envelope, MessageFilter, MessageInfo, NackOutcome, State
 from ._wakeup import subscribe
 from .errors import InvalidArgument
-from .models import DelayedMessage
+from .models import DelayedMessage, table_key
 from .worker import Worker
 
 if TYPE_CHECKING:
@@ -175,7 +175,7 @@ class QueueDatabase:
     def _cleanup(self, created: set[str]) -> None:
         with self.engine.begin() as conn:
             for q in self._made:
-                if q.table.name not in created:
+                if table_key(q.table) not in created:
                     conn.execute(sa.delete(q.table).where(q.table.c.queue == q.name))
 
 
@@ -198,7 +198,7 @@ def queue_database(
     tables = [m.__table__ for m in models]
     inspector = sa.inspect(bind)
     missing = [t for t in tables if not inspector.has_table(t.name, schema=t.schema)]
-    created = {t.name for t in missing}
+    created = {table_key(t) for t in missing}
     if missing:
         tables[0].metadata.create_all(bind, tables=missing)
     db = QueueDatabase(bind, sessionmaker(bind), clock or ManualClock())

@@ -25,12 +25,14 @@ import pyarrow as pa  # type: ignore[import-untyped]
 import pyarrow.compute as pc  # type: ignore[import-untyped]
 import pyarrow.csv as pcsv  # type: ignore[import-untyped]
 from psycopg import sql
+from sqlalchemy import table as sa_table
 
 from .._dialects import PostgreSQLStrategy
 from .._rules import FRESH, HELD, OFFER_RULES
 from .._types import OfferMode
 from .._wakeup import payload as wake_payload
 from ..errors import InvalidArgument
+from ..models import table_key
 from ._common import (
     NO_PASSWORD_HINT,
     ROW_COLUMNS,
@@ -185,7 +187,11 @@ def finish_untimed(table: Sequence[str]) -> sql.Composed:
 def notify(table: Sequence[str]) -> sql.Composed:
     """Wake the workers of the table (one payload per queue, see :mod:`.._wakeup`)."""
     return sql.SQL("SELECT pg_notify({}, p) FROM unnest(%s::text[]) AS p").format(
-        sql.Literal(PostgreSQLStrategy.channel(table[-1]))
+        sql.Literal(
+            PostgreSQLStrategy.channel(
+                table_key(sa_table(table[-1], schema=None if len(table) == 1 else table[0]))
+            )
+        )
     )
 
 

@@ -40,6 +40,7 @@ from ..models import (
     QueueMessageMixin,
     controls_table,
     stats_table,
+    table_key,
     workers_table,
 )
 from ..monitor import is_alive
@@ -200,7 +201,7 @@ class Data:
             if isinstance(q, EntityQueue):
                 self.entities.setdefault(q.name, q)
             elif isinstance(q, DelayedQueue):
-                name = q.table.name
+                name = table_key(q.table)
                 found = self.tables.setdefault(name, MessageTable(name, q.model))
                 if q.name not in found.configured:
                     found.configured = (*found.configured, q.name)
@@ -214,7 +215,7 @@ class Data:
                 raise InvalidArgument(
                     f"tables must be mapped classes with QueueMessageMixin, got {model!r}"
                 )
-            self.tables.setdefault(t.name, MessageTable(t.name, model))
+            self.tables.setdefault(table_key(t), MessageTable(table_key(t), model))
         if not self.tables and not self.entities:
             self.tables[DelayedMessage.__tablename__] = MessageTable(
                 DelayedMessage.__tablename__, DelayedMessage
@@ -247,7 +248,7 @@ class Data:
         """Every table the dashboard reads: the message tables, the entity queues' and ours."""
         return {
             *self.tables,
-            *(eq.table.name for eq in self.entities.values()),
+            *(table_key(eq.table) for eq in self.entities.values()),
             workers_table.name,
             stats_table.name,
             controls_table.name,
@@ -402,11 +403,15 @@ class Data:
         if not self.has_controls_table(s):
             return None
         c = controls_table.c
-        tables = [*self.tables, *(eq.table.name for eq in self.entities.values())]
+        # An entity queue is shown by its name: its table's, without the schema.
+        entities = {table_key(eq.table): name for name, eq in self.entities.items()}
         stmt = select(
             c.table_name, c.queue, c.paused, c.max_in_flight, c.rate_limit, c.rate_period
-        ).where(c.table_name.in_(tables))
-        found = {(str(r.table_name), str(r.queue)): from_row(r) for r in s.execute(stmt)}
+        ).where(c.table_name.in_([*self.tables, *entities]))
+        found = {
+            (entities.get(str(r.table_name), str(r.table_name)), str(r.queue)): from_row(r)
+            for r in s.execute(stmt)
+        }
         return {key: value for key, value in found.items() if not value.plain}
 
     def _history(
