@@ -219,6 +219,7 @@ def test_the_dashboard_shows_and_steers_each_schema_s_table_apart(tenants):
 
 def test_the_spark_writer_notifies_the_channel_workers_of_a_schema_s_table_listen_on(pg):
     import psycopg
+
     from sqla_delayedq.spark import _pg
 
     q: DelayedQueue[Any] = DelayedQueue("emails", model=_model("tenant_a"))
