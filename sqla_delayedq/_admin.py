@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Delete, delete, func, select, update
+from sqlalchemy import Delete, Update, and_, delete, func, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import ColumnElement
 
@@ -251,25 +251,36 @@ class AdminMixin:
         With ``priority``, give them that priority too (taken first by a queue with
         ``priorities=True``).
 
-        Messages in flight keep their lease: they are not rescheduled.
+        Messages in flight keep their lease: they are not rescheduled. A message whose lease
+        ran out without an ack has its lost attempt counted, as a take counts it: moving it
+        never gives a message that kills its consumer its attempts back.
         """
         now = self.now()
         when = now if at is None else require_aware(at, "at")
         t = self.table
-        values: dict[str, Any] = {"scheduled_at": when, "lock_token": None}
+        # In order: the lost attempt is read before the token is cleared (MySQL's SET order).
+        values: list[tuple[Any, Any]] = [
+            (t.c.attempts, t.c.attempts + st.lost_attempt(t.c.lock_token)),
+            (t.c.scheduled_at, when),
+            (t.c.lock_token, None),
+        ]
         if priority is not None:
             if "priority" not in t.c:
                 raise InvalidArgument(f"{t.name} has no priority column")
-            values["priority"] = check_priority(priority)
+            values.append((t.c.priority, check_priority(priority)))
         if isinstance(target, str):
             target = MessageFilter(keys=(target,))
         not_in_flight = flt.state_clause(t, "in_flight", now)
         stmt = (
             update(t)
             .where(self.condition(target, now), t.c.status == "pending", ~not_in_flight)
-            .values(values)
+            .ordered_values(*values)
         )
-        return st.affected(session, stmt)
+        # Run again, the messages this statement moved are left out: they are where it put them.
+        moved = [t.c.scheduled_at == when, t.c.lock_token.is_(None)]
+        if priority is not None:
+            moved.append(t.c.priority == priority)
+        return _past_handlers(session, stmt, stmt.where(~and_(*moved)))
 
     @transient_as_ours
     def requeue_dead(
@@ -330,13 +341,21 @@ def _check_field_value(name: str, value: str | int | float | bool) -> None:
 
 def _delete(session: Session, stmt: Delete) -> int:
     """Run a drop: the messages it matches are deleted, those whose transactional handler was
-    running too. That handler's take deleted the row, and its failure puts the message back as
-    a new row once it commits; where the waiting statement cannot see that row (PostgreSQL),
-    a second statement deletes it."""
-    deleted = st.affected(session, stmt)
+    running too (see :func:`_past_handlers`)."""
+    return _past_handlers(session, stmt, stmt)
+
+
+def _past_handlers(session: Session, stmt: Delete | Update, again: Delete | Update) -> int:
+    """Run an admin change; returns how many messages it changed. A message whose
+    transactional handler is running is changed as that handler's transaction leaves it, on
+    every backend: gone if it succeeded, changed if it failed. The handler's take deleted the
+    row, and its failure puts the message back as a new row once it commits; where the
+    statement that waited for it cannot see that row (PostgreSQL), ``again`` (``stmt``, less
+    what ``stmt`` changed already) changes it."""
+    changed = st.affected(session, stmt)
     if not strategy_for(session).sees_rows_of_awaited_transactions:
-        deleted += st.affected(session, stmt)
-    return deleted
+        changed += st.affected(session, again)
+    return changed
 
 
 def _is_empty(f: MessageFilter) -> bool:

@@ -159,13 +159,22 @@ def retry(
     when = resolve_when(at, delay)
     db = open_db(ctx, url, table, app=app, queues=queues)
     names = db.resolve_queues(queues)
-    where = MessageFilter(keys=tuple(dict.fromkeys(keys)))
-    dead = MessageFilter(state="dead", keys=where.keys)
+    dead = MessageFilter(state="dead", keys=tuple(dict.fromkeys(keys)))
+    t = db.table
+    found: set[tuple[str, str]] = set()
+    counts: dict[str, int] = {}
     with db.sessions() as s, s.begin():
-        found = {
-            (m.queue, m.key) for q in names for m in db.queue(q).search(s, dead, limit=len(keys))
-        }
-        counts = {q: db.queue(q).requeue_dead(s, where, at=when) for q in names}
+        for name in names:
+            queue = db.queue(name)
+            # The dead ones, locked: what this command retries, and only that (a key another
+            # retry made pending meanwhile is not dead here, and not listed as retried).
+            ours = s.scalars(
+                select(t.c.key).where(queue.condition(dead, queue.now())).with_for_update()
+            ).all()
+            counts[name] = (
+                queue.requeue_dead(s, replace(dead, keys=tuple(ours)), at=when) if ours else 0
+            )
+            found.update((name, k) for k in ours)
     retried = sorted({k for _, k in found})
     missing = [k for k in dict.fromkeys(keys) if k not in retried]
     if as_json:

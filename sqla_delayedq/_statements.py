@@ -396,13 +396,20 @@ def take_values(shape: Shape, lease_until: Any, prefix: Any) -> list[tuple[Any, 
     (see :func:`~sqla_delayedq._rules.lease_exhausted`), so a row that keeps killing or hanging
     its consumers ends up dead.
     """
-    # A held token (an update while in flight, see _rules.hold) started a fresh run: no loss.
-    lost = case((or_(shape.token.is_(None), is_held(shape.token)), 0), else_=1)
     return [
-        (shape.attempts, shape.attempts + lost),
+        (shape.attempts, shape.attempts + lost_attempt(shape.token)),
         (shape.due, lease_until),
         (shape.token, token_expr(shape, prefix)),
     ]
+
+
+def lost_attempt(token: ColumnElement[Any]) -> ColumnElement[int]:
+    """1 for a row whose lock token is still set (its lease ran out without an ack: an attempt
+    was lost), else 0: what a take counts, and any statement that clears an expired lease
+    (:func:`~sqla_delayedq._rules.lost_token` is its Python side). Read it before the token
+    changes (MySQL evaluates SET clauses left to right on updated values)."""
+    # A held token (an update while in flight, see _rules.hold) started a fresh run: no loss.
+    return case((or_(token.is_(None), is_held(token)), 0), else_=1)
 
 
 def is_held(token: ColumnElement[Any]) -> ColumnElement[bool]:

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
@@ -25,7 +26,7 @@ import sqlalchemy as sa
 from click.testing import CliRunner, Result
 from sqlalchemy.engine import URL
 
-from sqla_delayedq import DelayedMessage, DelayedQueue, ExponentialBackoff
+from sqla_delayedq import DelayedMessage, DelayedQueue, ExponentialBackoff, MessageFilter
 from sqla_delayedq import _cli_admin as cli_admin
 from sqla_delayedq.cli import cli
 from sqla_delayedq.entity import EntityQueue
@@ -510,6 +511,35 @@ def test_retry_of_a_key_that_is_not_dead_exits_1(backend: Backend, run: Run) -> 
     result = run("retry", "e/1", "nope")
     assert result.exit_code == 1
     assert result.stderr.strip() == "not dead or not found: e/1, nope"
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "mariadb"], indirect=True)
+def test_retry_lists_only_the_keys_it_retried_when_another_retry_races_it(
+    backend: Backend, run: Run
+) -> None:
+    """Another operator retried the key while this command waited for it: this command
+    changed nothing, and says so (not dead any more), instead of listing it as retried."""
+    seed(backend)
+    held, done = threading.Event(), threading.Event()
+
+    def other_operator() -> None:
+        with backend.Session() as s, s.begin():
+            assert queue("emails").requeue_dead(s, MessageFilter(keys=("e/dead",))) == 1
+            held.set()
+            time.sleep(2)  # the command below waits for this transaction
+        done.set()
+
+    racer = threading.Thread(target=other_operator)
+    racer.start()
+    try:
+        assert held.wait(30)
+        result = run("retry", "-q", "emails", "e/dead", "--json")
+    finally:
+        racer.join(30)
+    assert done.is_set()
+    assert result.exit_code == 1, result.output
+    doc = json.loads(result.stdout)
+    assert doc == {"retried": [], "not_dead": ["e/dead"], "queues": {"emails": 0}}
 
 
 def seed_dead(backend: Backend, n: int, name: str = "bulk") -> None:

@@ -331,6 +331,35 @@ def test_drop_reschedule_and_drop_all(backend, make_queue, clock):
             q.drop_where(s, None)
 
 
+def test_process_now_counts_the_attempt_an_expired_lease_lost(backend, make_queue, clock):
+    """A consumer took the message and died; an operator made it due now (or later) before
+    another take: the lost attempt counts as the take counts it, so clicking "process now"
+    never hands a message that kills its consumer its attempts back."""
+    q = make_queue(lease=timedelta(seconds=10), retry=ExponentialBackoff(max_attempts=3))
+    with backend.Session() as s, s.begin():
+        q.offer(s, "crasher", {"n": 1})
+    attempts = []
+    for move in ("now", "later", None, None):
+        with backend.Session() as s, s.begin():
+            env = q.try_poll(s)  # taken, then the consumer "crashes": no ack, no nack
+            if env is None:
+                break
+            attempts.append(env.attempt)
+        clock.advance(11)
+        with backend.Session() as s, s.begin():
+            if move == "now":
+                assert q.reschedule(s, "crasher") == 1
+            elif move == "later":
+                later = clock() + timedelta(days=1)
+                assert q.reschedule(s, MessageFilter(keys=("crasher",)), later) == 1
+                clock.advance(timedelta(days=1))
+            assert q.get(s, "crasher").attempts == len(attempts) - (move is None)
+    assert attempts == [1, 2, 3]
+    with backend.Session() as s:
+        info = q.get(s, "crasher")
+        assert info.status == "dead" and info.attempts == 3
+
+
 def test_retention_keeps_acked_messages_as_done_then_prunes(backend, make_queue, clock):
     q = make_queue(retention=timedelta(hours=1))
     with backend.Session() as s, s.begin():

@@ -259,3 +259,41 @@ def test_a_drop_waiting_for_a_failing_transactional_handler_deletes_its_message(
         assert dropped.result(30) == 1
     with server_backend.Session() as s:
         assert q.get(s, "k") is None  # not retried after the drop said it deleted it
+
+
+def test_a_reschedule_waiting_for_a_failing_transactional_handler_moves_its_message(backend):
+    """Every backend agrees (see docs/admin.md): a reschedule that waited for a transactional
+    handler applies to the message as that transaction left it. The handler failed and put
+    its message back for a retry: the reschedule moves that, and says so."""
+    q = DelayedQueue("tx-reschedule")
+    with backend.Session.begin() as s:
+        q.offer(s, "k", {"v": 1})
+    started, go = threading.Event(), threading.Event()
+
+    def handler(envelope, session):
+        started.set()
+        go.wait(30)
+        raise RuntimeError("the handler fails while the reschedule waits for it")
+
+    def consume() -> None:
+        with backend.Session.begin() as s:
+            q.process_one(s, handler)
+
+    def admin() -> int:
+        with backend.Session.begin() as s:
+            return q.reschedule(s, "k")
+
+    with ThreadPoolExecutor(2) as pool:
+        consumer = pool.submit(consume)
+        assert started.wait(30)
+        moved = pool.submit(admin)
+        time.sleep(1)  # the reschedule waits for the handler's transaction
+        go.set()
+        consumer.result(30)
+        assert moved.result(30) == 1
+    with backend.Session() as s:
+        info = q.get(s, "k")
+        assert info is not None and info.attempts == 1 and info.last_error is not None
+        assert "handler fails" in info.last_error
+        assert info.scheduled_at is not None and info.last_attempt_at is not None
+        assert info.scheduled_at <= info.last_attempt_at  # due when asked, not at its retry time
