@@ -198,6 +198,7 @@ class AdminMixin:
         stmt = select(func.count()).select_from(t).where(self.condition(where, self.now()))
         return int(session.execute(stmt).scalar_one())
 
+    @transient_as_ours
     def count_up_to(self, session: Session, where: MessageFilter | None = None) -> tuple[int, int]:
         """How many messages match ``where``, and the highest id among them (0 for none): what
         an operator confirms before a bulk change, which then touches no message with a higher

@@ -20,7 +20,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Generic, Literal, NamedTuple, Protocol, TypeVar
@@ -30,9 +30,9 @@ from sqlalchemy.orm import Session
 from . import _planner, _skew, controls
 from . import _statements as st
 from ._dialects import TAKE_ONLY, Listener, is_transient, strategy_class
-from ._handlers import is_cancellation
+from ._handlers import is_cancellation, is_interruption
 from ._leases import Ahead, LeasedQueue, Polled, TakeUnsure, leases_apart
-from ._time import Clock, require_duration
+from ._time import Clock, require_duration, require_lease
 from ._types import Envelope, NackOutcome
 from ._wakeup import Wake
 from .errors import InvalidArgument, WorkerError
@@ -119,37 +119,53 @@ def backoff(errors: int) -> float:
 # -- hooks ---------------------------------------------------------------------------------------
 
 
+#: What a hook returns: nothing, or on the asyncio worker an awaitable (an ``async def`` hook).
+HookResult = Awaitable[None] | None
+
+
 class WorkerHooks:
     """Metrics and logging hooks; subclass and override what you need.
 
     A hook that raises is logged and otherwise ignored: it never stops the worker or changes
-    what happens to a message.
+    what happens to a message, whatever it raises (``SystemExit`` and other ``BaseException``
+    subclasses too) except ``KeyboardInterrupt`` and a cancellation, which stop the worker as
+    they would anywhere else. On :class:`~sqla_delayedq.aio.AsyncWorker` a hook may be an
+    ``async def`` (it is awaited); :class:`~sqla_delayedq.worker.Worker` refuses those.
     """
 
-    def processed(self, queue: str, envelope: Envelope[Any], seconds: float) -> None:
+    def processed(self, queue: str, envelope: Envelope[Any], seconds: float) -> HookResult:
         """A handler returned and the message was acknowledged."""
 
     def failed(
         self, queue: str, envelope: Envelope[Any], error: BaseException, outcome: NackOutcome
-    ) -> None:
+    ) -> HookResult:
         """A handler raised; ``outcome`` says whether a retry was scheduled or it died."""
 
-    def redelivered(self, queue: str, envelope: Envelope[Any]) -> None:
+    def redelivered(self, queue: str, envelope: Envelope[Any]) -> HookResult:
         """A message was taken again after a lease ran out."""
 
-    def lag(self, queue: str, seconds: float) -> None:
+    def lag(self, queue: str, seconds: float) -> HookResult:
         """How late a message was taken, relative to its due time."""
 
-    def db_error(self, error: BaseException) -> None:
+    def db_error(self, error: BaseException) -> HookResult:
         """A transient database error interrupted polling or settling (it is retried)."""
+
+
+#: The methods of :class:`WorkerHooks`, each a hook the worker calls.
+HOOKS = ("processed", "failed", "redelivered", "lag", "db_error")
 
 
 class SafeHooks(WorkerHooks):
     """Every hooks object of the worker, each call guarded: a raising hook is logged, never
-    fatal."""
+    fatal (but an interruption goes on up, see :func:`~sqla_delayedq._handlers.is_interruption`).
 
-    def __init__(self, *hooks: WorkerHooks) -> None:
+    ``call(hook, *args)`` runs a hook to its end: the worker's runtime, which awaits an
+    ``async def`` hook on the asyncio worker.
+    """
+
+    def __init__(self, *hooks: WorkerHooks, call: Callable[..., Any]) -> None:
         self.all: list[WorkerHooks] = list(hooks)
+        self.call = call
 
     @property
     def hooks(self) -> WorkerHooks:
@@ -163,8 +179,10 @@ class SafeHooks(WorkerHooks):
     def _call(self, name: str, *args: Any) -> None:
         for hooks in self.all:
             try:
-                getattr(hooks, name)(*args)
-            except Exception:
+                self.call(getattr(hooks, name), *args)
+            except BaseException as exc:
+                if is_interruption(exc):
+                    raise
                 log.exception("worker hook %s raised; ignored", name)
 
     def processed(self, queue: str, envelope: Envelope[Any], seconds: float) -> None:
@@ -223,6 +241,13 @@ class Source(Protocol):
     def release(
         self, session: Session, envelope: Envelope[Any], *, at: datetime | None = None
     ) -> bool: ...
+    def record_failure(
+        self,
+        session: Session,
+        envelope: Envelope[Any],
+        error: BaseException | str,
+        at: datetime | None = None,
+    ) -> NackOutcome: ...
     def extend(
         self, session: Session, envelope: Envelope[Any], lease: timedelta | None = None
     ) -> Envelope[Any] | None: ...
@@ -247,7 +272,8 @@ class Runtime(Protocol):
         ...
 
     def call(self, handler: Callable[..., Any], *args: Any) -> Any:
-        """Run a handler to its end (await it, on the asyncio runtime)."""
+        """Run a handler, a hook or a side task to its end (await it, on the asyncio
+        runtime)."""
         ...
 
     def sleep(self, seconds: float) -> None:
@@ -486,7 +512,9 @@ class BaseWorker(Generic[S]):
         #: On PostgreSQL, analyse a table whose planner statistics lag a burst (``_planner``).
         self.keep_statistics = keep_statistics
         self.drain_timeout = drain_timeout
-        self.hooks: WorkerHooks = SafeHooks(hooks or WorkerHooks())
+        hooks = hooks or WorkerHooks()
+        self._check_hooks(hooks, f"{type(self).__name__}: hooks")
+        self.hooks: WorkerHooks = SafeHooks(hooks, call=self._call)
         self.name = name or self.default_name
         #: The error that stopped the worker, if one did (see ``run``).
         self.failure: BaseException | None = None
@@ -508,6 +536,22 @@ class BaseWorker(Generic[S]):
     def _check_handler(self, handler: Any, where: str) -> None:
         raise NotImplementedError
 
+    def _check_callback(self, fn: Any, where: str) -> None:
+        """Refuse a hook or side task this worker would call without running it."""
+        raise NotImplementedError
+
+    def _check_hooks(self, hooks: WorkerHooks, where: str) -> None:
+        for name in HOOKS:
+            self._check_callback(getattr(hooks, name), f"{where}.{name}")
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a hook or side task to its end on the runtime (await it, on asyncio)."""
+        return self.rt.call(fn, *args)
+
+    def _side_sessions(self, fn: Callable[..., Any]) -> Callable[[], Any]:
+        """What a side task ``fn`` gets to open sessions with: the runtime's Sessions."""
+        return self.rt.session
+
     def _add(self, where: str, source: Any, handler: Any, **kwargs: Any) -> Self:
         if self._started:
             raise InvalidArgument("register handlers before starting the worker")
@@ -520,7 +564,7 @@ class BaseWorker(Generic[S]):
                 "registered already; one handler per queue"
             )
         lease = kwargs.pop("lease", None)
-        lease = src.lease if lease is None else require_duration(lease, f"{where}: lease")
+        lease = src.lease if lease is None else require_lease(lease, f"{where}: lease")
         if kwargs.get("handler_timeout") is not None:
             require_duration(kwargs["handler_timeout"], f"{where}: handler_timeout")
         self._registrations.append(Registration(src, handler, lease=lease, **kwargs))
@@ -561,9 +605,8 @@ class BaseWorker(Generic[S]):
         The batch is taken with one statement and acknowledged with one when the handler
         returns; when it raises, every message of the batch is nacked with the error.
         """
-        if batch_size < 1:
-            raise InvalidArgument(f"batch_size must be >= 1, got {batch_size}")
         where = f"{type(self).__name__}.register_batch"
+        require_option(batch_size, f"{where}: batch_size", whole=True, least=1)
         return self._add(
             where,
             queue,
@@ -595,14 +638,22 @@ class BaseWorker(Generic[S]):
         """Run ``fn(sessions)`` now and every ``interval`` seconds while the worker runs.
 
         ``sessions`` opens a Session on the worker's database (use it in a ``with`` block).
-        An error is logged and the next interval tries again; ``on_stop(sessions)`` runs once
-        when the worker has drained. Cron installers and the workers registry run this way.
+        An error is logged and the next interval tries again, whatever it is (``SystemExit``
+        and other ``BaseException`` subclasses too) except ``KeyboardInterrupt`` and a
+        cancellation, which stop the worker. ``on_stop(sessions)`` runs once when the worker
+        has drained. Cron installers and the workers registry run this way.
+
+        On :class:`~sqla_delayedq.aio.AsyncWorker`, ``fn`` and ``on_stop`` may be ``async def``:
+        they are awaited, and ``sessions`` opens an ``AsyncSession`` (``async with``);
+        :class:`~sqla_delayedq.worker.Worker` refuses them, as it could never await them.
         """
         if self._started:
             raise InvalidArgument("add periodic tasks before starting the worker")
-        if not callable(fn):
-            raise InvalidArgument("add_periodic needs a callable and a positive interval")
-        require_option(interval, "add_periodic: interval", above=0)
+        where = f"{type(self).__name__}.add_periodic"
+        self._check_callback(fn, f"{where}: fn")
+        if on_stop is not None:
+            self._check_callback(on_stop, f"{where}: on_stop")
+        require_option(interval, f"{where}: interval", above=0)
         self._periodic.append(Periodic(name, fn, float(interval), on_stop))
         return self
 
@@ -610,6 +661,7 @@ class BaseWorker(Generic[S]):
         """Report to ``hooks`` too, beside the worker's own (metrics, a registry)."""
         if not isinstance(hooks, WorkerHooks):
             raise InvalidArgument(f"hooks must be a WorkerHooks, got {type(hooks).__name__}")
+        self._check_hooks(hooks, f"{type(self).__name__}.add_hooks: {type(hooks).__name__}")
         assert isinstance(self.hooks, SafeHooks)
         self.hooks.all.append(hooks)
         return self
@@ -1087,7 +1139,7 @@ class BaseWorker(Generic[S]):
             "ack": lambda s: self._acknowledge(s, reg, arg),
             "nack": lambda s: source.nack(s, env, arg),
             "release": lambda s: source.release(s, env, at=arg),
-            "record": lambda s: source.record_failure(s, env, arg),  # type: ignore[attr-defined]
+            "record": lambda s: source.record_failure(s, env, arg),
         }
         op = ops[what]
         delay = 0.05
@@ -1213,9 +1265,7 @@ class BaseWorker(Generic[S]):
 
     def _record_bailed(self, reg: Registration, env: Envelope[Any], error: BaseException) -> None:
         """Record the failed attempt of a transactional handler whose transaction rolled back
-        (see ``DelayedQueue.record_failure``); an entity queue's row is due again, uncounted."""
-        if getattr(reg.source, "record_failure", None) is None:
-            return
+        (``DelayedQueue.record_failure``, ``EntityQueue.record_failure``)."""
         outcome = self._settle(reg, env, "record", error)
         log_failure(reg.source.name, env.key, env.attempt, error, outcome)
         self.hooks.failed(reg.source.name, env, error, outcome or NackOutcome.STALE)
@@ -1273,12 +1323,18 @@ class BaseWorker(Generic[S]):
                     self._in_flight.replace(reg, longer)
 
     def _run_periodic(self, task: Periodic) -> None:
-        """A side task: a pass now and then every ``interval``, surviving every error."""
+        """A side task: a pass now and then every ``interval``, surviving every error but an
+        interruption, which stops the worker as it would a consumer (see ``_consume``)."""
         rt = self.rt
         while not rt.stopping:
             try:
-                task.fn(rt.session)
-            except Exception:
+                self._call(task.fn, self._side_sessions(task.fn))
+            except BaseException as exc:
+                if is_interruption(exc):
+                    if rt.stopping and is_cancellation(exc):
+                        raise  # the stop's cancel of the side tasks
+                    self._fail(exc, task.name)
+                    return
                 log.warning(
                     "%s: %s failed; it runs again in %.0f s",
                     self.name,
@@ -1292,8 +1348,10 @@ class BaseWorker(Generic[S]):
         for task in self._periodic:
             if task.on_stop is not None:
                 try:
-                    task.on_stop(self.rt.session)
-                except Exception:
+                    self._call(task.on_stop, self._side_sessions(task.on_stop))
+                except BaseException as exc:
+                    if is_interruption(exc):
+                        raise
                     log.warning("%s: stopping %s failed", self.name, task.name, exc_info=True)
 
     def _release_in_flight(self) -> None:

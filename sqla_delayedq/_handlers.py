@@ -2,8 +2,10 @@
 unrun.
 
 A synchronous consumer (the thread worker, ``process_one``) refuses ``async def`` handlers, and
-treats an awaitable result as a failed attempt; the asyncio worker refuses plain functions. The
-rules live here so the queues and both workers apply the same ones.
+treats an awaitable result as a failed attempt; the asyncio worker refuses plain functions. Hooks
+and side tasks may be either on the asyncio worker, which awaits an ``async def``; the thread
+worker refuses those it would never await. The rules live here so the queues and both workers
+apply the same ones.
 
 A transactional handler runs in a savepoint of the transaction that took its message
 (:func:`run_in_savepoint`), and that transaction is not the handler's to end: a
@@ -30,9 +32,11 @@ __all__ = [
     "HandlerNotRun",
     "call_sync_handler",
     "check_async_handler",
+    "check_callback",
     "check_sync_handler",
     "is_async_callable",
     "is_cancellation",
+    "is_interruption",
     "refuse_unrun",
     "run_in_savepoint",
 ]
@@ -88,6 +92,13 @@ def is_cancellation(exc: BaseException) -> bool:
     return False
 
 
+def is_interruption(exc: BaseException) -> bool:
+    """Whether ``exc`` interrupts rather than fails: ``KeyboardInterrupt`` and cancellations
+    (:func:`is_cancellation`). A worker never swallows those where it swallows a hook's or a
+    side task's errors, ``SystemExit`` and other ``BaseException`` subclasses included."""
+    return isinstance(exc, KeyboardInterrupt) or is_cancellation(exc)
+
+
 def _name(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or repr(fn)
 
@@ -124,6 +135,32 @@ def check_async_handler(handler: Any, where: str) -> None:
         raise InvalidArgument(
             f"{where}: {_name(handler)} is not an async function; the asyncio worker awaits its "
             "handlers. Define it with 'async def', or register it on sqla_delayedq.worker.Worker"
+        )
+
+
+def check_callback(
+    fn: Any,
+    where: str,
+    *,
+    awaits: bool,
+    caller: str = "a thread worker",
+    instead: str = "run the worker as sqla_delayedq.aio.AsyncWorker, which awaits it",
+) -> None:
+    """Refuse a hook or a side task that its ``caller`` would call without running it: a
+    non-callable, a generator function, and an ``async def`` where nothing awaits it
+    (``awaits``: the asyncio worker, which awaits an ``async def`` and calls a plain one)."""
+    if not callable(fn):
+        raise InvalidArgument(f"{where} must be callable, not {type(fn).__name__}")
+    kind = _generator_kind(fn)
+    if kind is not None:
+        raise InvalidArgument(
+            f"{where}: {_name(fn)} is {kind} (it uses yield): calling it runs none of its "
+            "body. Do the work in the function itself and return (no yield)"
+        )
+    if not awaits and is_async_callable(fn):
+        raise InvalidArgument(
+            f"{where}: {_name(fn)} is an async function; {caller} would call it and never "
+            f"await it, so it would never run. Make it a plain function, or {instead}"
         )
 
 

@@ -34,7 +34,7 @@ from ._dialects import (
 )
 from ._handlers import run_in_savepoint
 from ._rules import after_failure, carries, held_parts, hold, lease_exhausted, lost_lease_error
-from ._time import Clock, require_aware, require_duration
+from ._time import Clock, require_aware, require_lease
 from ._types import Envelope, NackOutcome
 from ._wakeup import announce
 from .errors import DecodeError, InvalidArgument, TransientError
@@ -172,6 +172,16 @@ class LeasedQueue(abc.ABC, Generic[T]):
     ) -> Processed[T] | None:
         """Transactional mode for one row, inside the caller's transaction."""
 
+    @abc.abstractmethod
+    def record_failure(
+        self,
+        session: Session,
+        envelope: Envelope[Any],
+        error: BaseException | str,
+        at: datetime | None = None,
+    ) -> NackOutcome:
+        """Record a failed attempt of a row whose transactional take rolled back."""
+
     def process_next(
         self, session: Session, handler: Callable[[Envelope[T], Session], Any]
     ) -> tuple[Processed[T] | None, Ahead]:
@@ -202,7 +212,7 @@ class LeasedQueue(abc.ABC, Generic[T]):
         """:meth:`try_poll_many`, and whether more rows were due than it took (a consumer that
         got all it asked for takes again only then)."""
         check_count(n)
-        lease = self.lease if lease is None else require_duration(lease, "lease")
+        lease = self.lease if lease is None else require_lease(lease)
         strategy = strategy_for(session)
         gate = self.gate(session)
         if gate is not None:
@@ -556,7 +566,7 @@ class LeasedQueue(abc.ABC, Generic[T]):
         self, session: Session, envelope: Envelope[T], lease: timedelta | None = None
     ) -> Envelope[T] | None:
         """Lengthen a lease to ``now + lease``; None when the lease was already lost."""
-        lease = self.lease if lease is None else require_duration(lease, "lease")
+        lease = self.lease if lease is None else require_lease(lease)
         until = self.now() + lease
         extended = self._settle(
             session,

@@ -23,7 +23,7 @@ from ._handlers import run_in_savepoint
 from ._leases import UNSEEN, Ahead, LeasedQueue, Processed, check_count, leases_apart
 from ._offers import OfferInput
 from ._rules import after_failure, check_priority, held_due, lost_token
-from ._time import Clock, require_aware, require_duration, system_clock
+from ._time import Clock, require_aware, require_duration, require_lease, system_clock
 from ._types import Delivery, Envelope, NackOutcome, OfferMode, OfferResult, Outcome, built
 from .errors import DecodeError, InvalidArgument
 from .models import KEY_MAX, QUEUE_MAX, DelayedMessage, QueueMessageMixin
@@ -120,7 +120,7 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         self.shape = st.message_shape(self.table)
         self.codec: Codec[T] = Codec(serializer or cast(Serializer[T], JsonSerializer()))
         self.serializer: Serializer[T] = self.codec.serializer
-        self.lease = require_duration(lease, "lease")
+        self.lease = require_lease(lease)
         self.retry_policy: RetryPolicy = check_policy(
             ExponentialBackoff() if retry is None else retry
         )

@@ -62,13 +62,29 @@ def require_aware(value: datetime, name: str = "datetime") -> datetime:
         raise InvalidArgument(f"{name} ({value.isoformat()}) is out of range in UTC") from None
 
 
-def require_duration(value: timedelta, name: str, *, allow_zero: bool = False) -> timedelta:
-    """Validate a lease or delay: a ``timedelta`` that is positive (or zero when allowed)."""
+def require_duration(
+    value: timedelta, name: str, *, allow_zero: bool = False, most: timedelta | None = None
+) -> timedelta:
+    """Validate a lease or delay: a ``timedelta`` that is positive (or zero when allowed), and
+    at most ``most`` when given."""
     if not isinstance(value, timedelta):
         raise InvalidArgument(f"{name} must be a timedelta, got {type(value).__name__}")
     if value < timedelta(0) or (value == timedelta(0) and not allow_zero):
         raise InvalidArgument(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+    if most is not None and value > most:
+        raise InvalidArgument(f"{name} must be at most {most.days} days, got {value}")
     return value
+
+
+#: The longest lease: one taken before year 9000 still ends at a time a datetime holds (they
+#: end with year 9999). A longer one was accepted and then failed every take.
+LONGEST_LEASE = timedelta(days=365_000)
+
+
+def require_lease(value: timedelta, name: str = "lease") -> timedelta:
+    """Validate a lease (a queue's, a registration's, a take's or an extension's): positive,
+    and at most :data:`LONGEST_LEASE`."""
+    return require_duration(value, name, most=LONGEST_LEASE)
 
 
 class DateTimeUTC(TypeDecorator[datetime]):

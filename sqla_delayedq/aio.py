@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import inspect
 import logging
 import signal
@@ -37,7 +38,7 @@ from sqlalchemy.util import await_only, greenlet_spawn
 from ._consumer import BaseWorker, Mode, WorkerHooks, hand_out
 from ._dialects import is_transient
 from ._engine import engine_options
-from ._handlers import check_async_handler, refuse_unrun
+from ._handlers import check_async_handler, check_callback, is_async_callable, refuse_unrun
 from ._offers import OfferInput
 from ._queue import DelayedQueue
 from ._transaction import backoff_delays
@@ -453,7 +454,8 @@ class AsyncWorker(BaseWorker[async_sessionmaker[AsyncSession]]):
     ``add_cron``), hooks, wake-ups, heartbeats and shutdown as
     :class:`~sqla_delayedq.worker.Worker`; ``sessions`` is an ``async_sessionmaker``. A
     transactional handler gets the ``AsyncSession`` of the transaction that takes and
-    acknowledges its message.
+    acknowledges its message. Hooks and periodic tasks (``add_hooks``, ``add_periodic``) may
+    be ``async def`` or plain functions: an ``async def`` one is awaited.
     """
 
     default_concurrency = 16
@@ -461,6 +463,16 @@ class AsyncWorker(BaseWorker[async_sessionmaker[AsyncSession]]):
 
     def _check_handler(self, handler: Any, where: str) -> None:
         check_async_handler(handler, where)
+
+    def _check_callback(self, fn: Any, where: str) -> None:
+        check_callback(fn, where, awaits=True)
+
+    def _side_sessions(self, fn: Callable[..., Any]) -> Callable[[], Any]:
+        """An ``async def`` side task opens ``AsyncSession`` objects (``async with``); a plain
+        one runs in the worker's greenlet, on the Sessions behind them."""
+        if is_async_callable(fn):
+            return functools.partial(self.sessions, expire_on_commit=False)
+        return super()._side_sessions(fn)
 
     def _add(self, where: str, source: Any, handler: Any, **kwargs: Any) -> AsyncWorker:
         # An AsyncQueue is accepted wherever its DelayedQueue is.

@@ -60,8 +60,8 @@ from . import _statements as st
 from ._dialects import Claimed, Claims, Strategy, strategy_for, transient_as_ours
 from ._leases import LeasedQueue, LeaseLost, Processed, leases_apart
 from ._rules import HELD, held_due, held_prefix, lost_token
-from ._time import Clock, DateTimeUTC, require_aware, require_duration, system_clock
-from ._types import Delivery, Envelope, built
+from ._time import Clock, DateTimeUTC, require_aware, require_lease, system_clock
+from ._types import Delivery, Envelope, NackOutcome, built
 from .errors import InvalidArgument
 from .retry import ExponentialBackoff, RetryPolicy, check_policy
 
@@ -289,7 +289,7 @@ class EntityQueue(LeasedQueue[M]):
         self.pk: Column[Any] = cast(Column[Any], mapper.primary_key[0])
         self._pk_key = mapper.get_property_by_column(self.pk).key
         self.shape = entity_shape(table, self.pk)
-        self.lease = require_duration(lease, "lease")
+        self.lease = require_lease(lease)
         self.retry_policy: RetryPolicy = check_policy(
             ExponentialBackoff() if retry is None else retry
         )
@@ -626,6 +626,42 @@ class EntityQueue(LeasedQueue[M]):
             return None
         own = gate != "limited" or not leases_apart(session)
         return self._process_leased(session, handler, taken[0], own)
+
+    @transient_as_ours
+    def record_failure(
+        self,
+        session: Session,
+        envelope: Envelope[Any],
+        error: BaseException | str,
+        at: datetime | None = None,
+    ) -> NackOutcome:
+        """Record a failed attempt of an entity whose transactional take rolled back (its
+        handler raised ``SystemExit`` or another ``BaseException``): as :meth:`nack` would.
+
+        A limited queue's take, a lease committed apart, outlived the rollback: it is nacked.
+        Any other take went with the rollback, which put the row back as it was before it: the
+        take is restored (its lock token), guarded by that state, and nacked. If another
+        consumer has taken the entity since, or it was scheduled, stopped or processed
+        meanwhile, nothing changes (``STALE``).
+        """
+        outcome = self.nack(session, envelope, error, at)
+        if outcome is not NackOutcome.STALE:
+            return outcome
+        c = self.table.c
+        # Before the take: due at the envelope's time, with the attempts the take found (one
+        # fewer than it counted when it followed a lost lease).
+        restore = (
+            sa_update(self.table)
+            .where(
+                self.pk == envelope.id,
+                c.queue_next_attempt_at == envelope.scheduled_at,
+                c.queue_attempts.in_((envelope.attempt - 1, envelope.attempt - 2)),
+            )
+            .values({c.queue_lock_token: envelope.lock_token})
+        )
+        if _rowcount(session.execute(restore)) != 1:
+            return NackOutcome.STALE
+        return self.nack(session, envelope, error, at)
 
     # -- read side -------------------------------------------------------------------------
 

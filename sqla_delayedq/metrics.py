@@ -51,7 +51,8 @@ from sqlalchemy.orm import Session
 
 from ._cli_stats import STATES, QueueStats, queue_stats
 from ._codec import check_strings
-from ._handlers import is_async_callable
+from ._consumer import HOOKS
+from ._handlers import check_callback, is_async_callable, is_interruption
 from ._types import Envelope, NackOutcome, OfferMode, OfferResult
 from .errors import InvalidArgument
 from .models import DelayedMessage
@@ -127,23 +128,36 @@ class _HandlerClock:
         return None if started is None else time.monotonic() - started
 
 
-def _guarded(method: Callable[..., None]) -> Callable[..., None]:
-    """Hooks must not raise: log a failing metric update instead of breaking the worker."""
+def _guarded(method: Callable[..., object]) -> Callable[..., None]:
+    """Hooks must not raise: log a failing metric update instead of breaking the worker
+    (whatever it raised but an interruption, as the worker does for its hooks)."""
 
     @functools.wraps(method)
     def wrapper(*args: Any, **kwargs: Any) -> None:
         try:
             method(*args, **kwargs)
-        except Exception:
+        except BaseException as exc:
+            if is_interruption(exc):
+                raise
             log.exception("metrics hook %s failed", method.__name__)
 
     return wrapper
 
 
 class CompositeHooks(WorkerHooks):
-    """Several hooks as one: each event goes to every hook, in order."""
+    """Several hooks as one: each event goes to every hook, in order. They are plain
+    functions: for ``async def`` hooks on the asyncio worker, give each to ``add_hooks``."""
 
     def __init__(self, *hooks: WorkerHooks) -> None:
+        for hooks_ in hooks:
+            for name in HOOKS:
+                check_callback(
+                    getattr(hooks_, name),
+                    f"CompositeHooks: {type(hooks_).__name__}.{name}",
+                    awaits=False,
+                    caller="CompositeHooks",
+                    instead="give it to AsyncWorker.add_hooks, which awaits it",
+                )
         self.hooks = hooks
 
     @_guarded

@@ -30,7 +30,7 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from ._consumer import BaseWorker, Mode, WorkerHooks, hand_out, require_option
-from ._handlers import call_sync_handler, check_sync_handler
+from ._handlers import call_sync_handler, check_callback, check_sync_handler
 from ._wakeup import subscribe
 
 __all__ = ["Handler", "Mode", "Worker", "WorkerHooks"]
@@ -136,7 +136,8 @@ class Worker(BaseWorker[sessionmaker[Session]]):
         lag a burst (see :doc:`/operations`); False leaves them to autovacuum.
 
     Queues are :class:`~sqla_delayedq.DelayedQueue` or :class:`~sqla_delayedq.EntityQueue`
-    objects; ``async def`` handlers belong on :class:`~sqla_delayedq.aio.AsyncWorker`.
+    objects; ``async def`` handlers, hooks and periodic tasks belong on
+    :class:`~sqla_delayedq.aio.AsyncWorker` (refused here, where nothing would await them).
     """
 
     default_concurrency = 4
@@ -146,6 +147,9 @@ class Worker(BaseWorker[sessionmaker[Session]]):
 
     def _check_handler(self, handler: Any, where: str) -> None:
         check_sync_handler(handler, where)
+
+    def _check_callback(self, fn: Any, where: str) -> None:
+        check_callback(fn, where, awaits=False)
 
     # -- lifecycle -----------------------------------------------------------------------
 

@@ -232,6 +232,8 @@ def test_release_and_extend(backend, make_queue, clock):
         q.offer(s, "k", 1)
     with backend.Session() as s, s.begin():
         env = q.try_poll(s)
+        with pytest.raises(InvalidArgument, match="lease must be at most"):
+            q.extend(s, env, timedelta.max)  # was an OverflowError: its end is past year 9999
         longer = q.extend(s, env, timedelta(minutes=30))
         assert longer is not None and longer.lease_until == clock() + timedelta(minutes=30)
     clock.advance(60)

@@ -171,6 +171,8 @@ def test_rejects_models_without_the_mixin_or_with_a_composite_key() -> None:
         EntityQueue(Pair)
     with pytest.raises(InvalidArgument, match="lease"):
         EntityQueue(Order, lease=timedelta(0))
+    with pytest.raises(InvalidArgument, match="lease must be at most"):
+        EntityQueue(Order, lease=timedelta.max)  # its takes failed past year 9999
 
 
 # -- take and settle ---------------------------------------------------------------------------

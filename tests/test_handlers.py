@@ -19,6 +19,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 from sqla_delayedq import (
@@ -147,6 +148,9 @@ def test_workers_refuse_the_wrong_kind_of_handler_for_entity_queues_too(backend)
         ("lease", timedelta(seconds=-1), "must be > 0"),
         ("lease", timedelta(0), "must be > 0"),
         ("lease", 30, "must be a timedelta, got int"),
+        # Accepted, then every take failed on a lease end past year 9999.
+        ("lease", timedelta.max, "must be at most 365000 days"),
+        ("lease", timedelta(days=365_001), "must be at most 365000 days"),
         ("handler_timeout", timedelta(seconds=-5), "must be > 0"),
         ("handler_timeout", "5s", "must be a timedelta, got str"),
     ],
@@ -170,6 +174,28 @@ def test_workers_refuse_a_lease_or_handler_timeout_that_is_not_a_positive_timede
     for register in cases:
         with pytest.raises(InvalidArgument, match=f"register(_batch)?: {option} {problem}"):
             register()
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        (2.5, "batch_size must be an int, got float"),
+        (True, "batch_size must be an int, got bool"),
+        ("10", "batch_size must be an int, got str"),
+        (0, "batch_size must be >= 1, got 0"),
+    ],
+)
+@pytest.mark.parametrize("kind", [Worker, AsyncWorker])
+def test_register_batch_refuses_a_batch_size_that_is_no_int_from_1(kind, value, problem):
+    """Only ``< 1`` was checked: 2.5 and True were accepted (every take then asked for 2.5
+    rows, or for True), and a string raised a TypeError instead of the library's error."""
+    sessions: Any = sessionmaker(create_engine("sqlite://"))
+
+    async def async_batch(envs: Any) -> None: ...
+
+    handler = async_batch if kind is AsyncWorker else (lambda envs: None)
+    with pytest.raises(InvalidArgument, match=f"register_batch: {problem}"):
+        kind(sessions).register_batch(DelayedQueue("q"), handler, batch_size=value)
 
 
 @pytest.mark.parametrize(
@@ -613,3 +639,104 @@ def test_a_raising_hook_is_logged_and_does_not_stop_the_worker(backend, caplog):
     assert (
         sum("metrics backend down" in (r.exc_text or str(r.exc_info)) for r in caplog.records) == 3
     )
+
+
+# -- async hooks and periodic tasks -------------------------------------------------------------
+
+
+class AsyncHooks(WorkerHooks):
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str]] = []
+
+    async def processed(self, queue: str, envelope: Envelope[Any], seconds: float) -> None:
+        await asyncio.sleep(0)  # it does run on the event loop
+        self.seen.append(("processed", envelope.key))
+
+    async def lag(self, queue: str, seconds: float) -> None:
+        self.seen.append(("lag", queue))
+
+
+async def async_tick(sessions: Any) -> None:
+    raise AssertionError("never awaited by the thread worker")
+
+
+def generator_tick(sessions: Any) -> Any:
+    yield sessions
+
+
+def test_the_asyncio_worker_awaits_async_hooks_and_periodic_tasks(async_backend):
+    """They were called and never awaited: the hook or task silently never ran (a "coroutine
+    was never awaited" warning at best). An ``async def`` periodic task gets AsyncSessions."""
+    q: DelayedQueue[Any] = DelayedQueue("async-hooks")
+    with async_backend.sync.Session.begin() as s:
+        q.offer(s, "m", {})
+    given, extra = AsyncHooks(), AsyncHooks()
+    ticks: list[int] = []
+    stops: list[int] = []
+
+    async def tick(sessions: Any) -> None:
+        async with sessions() as session:
+            ticks.append(int((await session.execute(sa.text("SELECT 1"))).scalar_one()))
+
+    async def bye(sessions: Any) -> None:
+        async with sessions() as session:
+            stops.append(int((await session.execute(sa.text("SELECT 2"))).scalar_one()))
+
+    async def handler(env: Envelope[Any]) -> None:
+        pass
+
+    async def scenario() -> bool:
+        worker = AsyncWorker(
+            async_backend.sessions, concurrency=1, poll_interval=0.05, listen=False, hooks=given
+        )
+        worker.register(q, handler).add_hooks(extra).add_periodic("tick", tick, 0.05, on_stop=bye)
+        task = asyncio.create_task(worker.run(install_signal_handlers=False))
+        try:
+            for _ in range(500):
+                if len(ticks) >= 3 and extra.seen and ("processed", "m") in extra.seen:
+                    break
+                await asyncio.sleep(0.02)
+        finally:
+            worker.request_stop()
+        return await task
+
+    assert asyncio.run(scenario())
+    for hooks in (given, extra):
+        assert hooks.seen == [("lag", "async-hooks"), ("processed", "m")]
+    assert len(ticks) >= 3 and set(ticks) == {1}
+    assert stops == [2]
+
+
+@pytest.mark.parametrize(
+    ("fn", "problem"),
+    [
+        (async_tick, r"async function; a thread worker would call it and never await it"),
+        (functools.partial(async_tick), "async function"),
+        (generator_tick, "is a generator function"),
+        ("tick", "must be callable, not str"),
+    ],
+    ids=["async-def", "partial", "generator", "not-callable"],
+)
+def test_the_thread_worker_refuses_hooks_and_periodic_tasks_it_would_never_run(fn, problem):
+    """An ``async def`` hook or periodic task on the thread worker was called, never awaited:
+    it silently never ran. Refused where it is given, as async handlers are."""
+
+    class Hooks(WorkerHooks):
+        failed = fn
+
+    sessions: Any = sessionmaker(create_engine("sqlite://"))
+    if callable(fn):  # a hook must be callable to be one; the others are refused as such
+        with pytest.raises(InvalidArgument, match=rf"Worker: hooks\.failed: .*{problem}"):
+            Worker(sessions, hooks=Hooks())
+        with pytest.raises(InvalidArgument, match=rf"add_hooks: Hooks\.failed: .*{problem}"):
+            Worker(sessions).add_hooks(Hooks())
+    with pytest.raises(InvalidArgument, match=rf"add_periodic: fn.*{problem}"):
+        Worker(sessions).add_periodic("tick", fn, 1)
+    with pytest.raises(InvalidArgument, match=rf"add_periodic: on_stop.*{problem}"):
+        Worker(sessions).add_periodic("tick", lambda sessions: None, 1, on_stop=fn)
+    aworker = AsyncWorker(sessions)
+    if fn in (async_tick,) or isinstance(fn, functools.partial):
+        aworker.add_periodic("tick", fn, 1).add_hooks(Hooks())  # awaited there
+    else:
+        with pytest.raises(InvalidArgument, match=problem):
+            aworker.add_periodic("tick", fn, 1)

@@ -583,3 +583,24 @@ def test_metrics_hooks_are_worker_hooks() -> None:
         CompositeHooks,
     ]
     assert all(isinstance(make(), WorkerHooks) for make in hooks)
+
+
+class BailingHooks(WorkerHooks):
+    def processed(self, queue: str, envelope: Envelope[Any], seconds: float) -> None:
+        raise SystemExit("the metrics backend bails out")
+
+
+class AsyncMetricsHooks(WorkerHooks):
+    async def processed(self, queue: str, envelope: Envelope[Any], seconds: float) -> None:
+        raise AssertionError("CompositeHooks never awaits it")
+
+
+def test_composite_hooks_fan_out_past_a_base_exception_and_refuse_async_hooks() -> None:
+    """A hook's ``SystemExit`` ended the fan-out (the hooks after it never heard of the event);
+    an ``async def`` hook was called and never awaited, so it never ran."""
+    registry = CollectorRegistry()
+    hooks = CompositeHooks(BailingHooks(), PrometheusHooks(registry))
+    hooks.processed("q", envelope(), 0.1)
+    assert sample(registry, "delayedq_processed_total", queue="q") == 1
+    with pytest.raises(InvalidArgument, match=r"AsyncMetricsHooks\.processed.*AsyncWorker"):
+        CompositeHooks(WorkerHooks(), AsyncMetricsHooks())

@@ -285,6 +285,8 @@ CYCLE.append(CYCLE)
         (lambda q, s: q.offer(s, "k", {1, 2}), "not JSON-serializable"),
         (lambda q, s: q.offer(s, "k", float("nan")), "not JSON-serializable"),
         (lambda q, s: q.try_poll(s, lease=timedelta(seconds=-1)), "lease must be > 0"),
+        # Regression: accepted, then the take failed on a lease end past year 9999.
+        (lambda q, s: q.try_poll(s, lease=timedelta.max), "lease must be at most"),
         (lambda q, s: q.try_poll_many(s, 0), "positive integer"),
         (lambda q, s: q.offer_batch(s, [("ok", 1), ("bad",)]), r"messages\[1\]"),
         (lambda q, s: q.offer_batch(s, [("ok", 1), ("k", 1, datetime(2030, 1, 1))]), "naive"),
@@ -318,6 +320,8 @@ def test_bad_queue_settings_are_refused(clock):
             DelayedQueue(name)
     with pytest.raises(InvalidArgument, match="lease"):
         DelayedQueue("q", lease=timedelta(0))
+    with pytest.raises(InvalidArgument, match="lease must be at most"):
+        DelayedQueue("q", lease=timedelta(days=365_001))  # its takes failed past year 9999
     with pytest.raises(InvalidArgument, match="naive"):
         DelayedQueue("q", clock=lambda: datetime(2030, 1, 1)).now()
     with pytest.raises(EncodeError):

@@ -169,3 +169,33 @@ def test_run_in_transaction_async_runs_the_work_again(async_server_backend):
     finally:
         holder.join()
     assert outcome is Outcome.UPDATED and len(attempts) >= 2
+
+
+KILL_OWN_CONNECTION = {
+    "postgresql": ("SELECT pg_backend_pid()", "SELECT pg_terminate_backend(:id)"),
+    "mariadb": ("SELECT CONNECTION_ID()", "KILL CONNECTION :id"),
+}
+
+
+@pytest.mark.parametrize("read", ["count", "count_up_to"])
+def test_a_lost_connection_in_an_admin_read_raises_the_library_transient_error(
+    server_backend, read
+):
+    """``count_up_to`` alone of the admin methods let the driver's error through: a lost
+    connection there was an ``OperationalError``, where ``count`` beside it (and every other
+    operation) raises ``TransientError``, which ``run_in_transaction`` retries."""
+    q: DelayedQueue[Any] = DelayedQueue("admin-read")
+    own_id, kill = KILL_OWN_CONNECTION[server_backend.name]
+    with server_backend.Session() as s:
+        conn_id = s.execute(text(own_id)).scalar_one()
+        with server_backend.engine.connect() as other:
+            other.execute(text(kill), {"id": conn_id})
+            if server_backend.name == "postgresql":  # pg_terminate_backend only signals it
+                gone = text("SELECT count(*) FROM pg_stat_activity WHERE pid = :id")
+                deadline = time.monotonic() + 10
+                while other.execute(gone, {"id": conn_id}).scalar_one() and (
+                    time.monotonic() < deadline
+                ):
+                    time.sleep(0.02)
+        with pytest.raises(TransientError, match=f"{read} hit a transient database error"):
+            getattr(q, read)(s)

@@ -1674,6 +1674,83 @@ def test_periodic_tasks_and_extra_hooks_run_with_the_worker(backend, make_worker
     assert [p[1] for p in extra.processed_] == ["m"]
 
 
+class Bail(BaseException):
+    """A custom ``BaseException``: neither an ``Exception`` nor an interruption."""
+
+
+@pytest.mark.parametrize("raised", [SystemExit, Bail], ids=["exit", "custom"])
+def test_hooks_and_periodic_tasks_raising_a_base_exception_never_stop_the_worker(
+    backend, make_worker, raised, caplog
+):
+    """Documented: a raising hook never stops the worker, and a failing periodic task runs
+    again. Only an ``Exception`` was caught: a hook's ``SystemExit`` stopped the worker
+    (``WorkerError``) after the first message, and a periodic task's ended that task for good
+    (its thread or task gone without a word, the worker running on without it)."""
+
+    class BailingHooks(WorkerHooks):
+        def processed(self, queue: str, envelope: Envelope[Any], seconds: float) -> None:
+            raise raised("the hook bails out")
+
+        def lag(self, queue: str, seconds: float) -> None:
+            raise raised("the hook bails out")
+
+    q: DelayedQueue[Any] = DelayedQueue("bailing-hooks")
+    with backend.Session.begin() as s:
+        q.offer_batch(s, [(f"k{i}", {}) for i in range(3)])
+    handled: list[str] = []
+    ticks: list[int] = []
+    stops: list[int] = []
+
+    def tick(sessions: Any) -> None:
+        ticks.append(1)
+        raise raised("the periodic task bails out")
+
+    def bye(sessions: Any) -> None:
+        stops.append(1)
+        raise raised("its on_stop bails out")
+
+    worker = make_worker(
+        backend, concurrency=1, poll_interval=0.05, listen=False, hooks=BailingHooks()
+    )
+    getattr(worker, "worker", worker).add_periodic("bails", tick, 0.05, on_stop=bye)
+    worker.register(q, lambda env: handled.append(env.key))
+    caplog.set_level(logging.WARNING, logger="sqla_delayedq")
+    with running(worker):  # stop() raises WorkerError if the worker stopped on an error
+        assert wait_for(lambda: len(handled) == 3 and len(ticks) >= 3, 20)
+    assert getattr(worker, "worker", worker).failure is None
+    assert sorted(handled) == ["k0", "k1", "k2"]
+    assert stops == [1]
+    assert pending(backend, q) == 0  # each acknowledged, whatever its hooks raised
+    logged = [r for r in caplog.records if r.exc_info and isinstance(r.exc_info[1], raised)]
+    assert len(logged) >= 3 + 3 + 3 + 1  # processed, lag, ticks, on_stop: each with its trace
+
+
+def test_a_keyboard_interrupt_from_a_hook_still_stops_the_worker(backend, make_worker):
+    """Hooks swallow every error but an interruption, which keeps its meaning: the worker
+    stops with it, loudly, as on a handler's ``KeyboardInterrupt``."""
+
+    class Interrupting(WorkerHooks):
+        def processed(self, queue: str, envelope: Envelope[Any], seconds: float) -> None:
+            raise KeyboardInterrupt
+
+    q: DelayedQueue[Any] = DelayedQueue("interrupting-hook")
+    offer(backend, q, "m")
+    worker = make_worker(
+        backend, concurrency=1, poll_interval=0.05, listen=False, hooks=Interrupting()
+    )
+    worker.register(q, lambda env: None)
+    worker.start()
+    try:
+        assert wait_for(lambda: getattr(worker, "worker", worker).stopping, 20)
+    finally:
+        try:
+            worker.stop(5)
+            error = getattr(worker, "worker", worker).failure
+        except WorkerError as exc:  # the asyncio worker's run() raised it
+            error = exc.__cause__
+    assert isinstance(error, KeyboardInterrupt)
+
+
 # -- the lease take's commit (PostgreSQL) ---------------------------------------------------
 
 

@@ -19,7 +19,15 @@ import pytest
 from sqlalchemy import select, true, update
 from sqlalchemy.orm import Session
 
-from sqla_delayedq import Delivery, EntityCounts, EntityQueue, Envelope, ExponentialBackoff
+from sqla_delayedq import (
+    Delivery,
+    EntityCounts,
+    EntityQueue,
+    EntityStatus,
+    Envelope,
+    ExponentialBackoff,
+    WorkerError,
+)
 from tests.entity_app.models import Base, Order
 from tests.fix_db import Backend
 from tests.fix_workers import losing_a_commit_reply, running
@@ -233,3 +241,52 @@ def test_entities_scheduled_again_while_in_flight_never_run_twice_at_once(db, ma
     assert max(peak.values()) == 1, peak
     assert {i: versions[-1] for i, versions in seen.items()} == dict.fromkeys(ids, version)
     assert sum(len(versions) for versions in seen.values()) > 2 * len(ids)
+
+
+@pytest.mark.parametrize("after_lost_lease", [False, True], ids=["first", "after-a-lost-lease"])
+@pytest.mark.parametrize("limited", [False, True], ids=["plain", "limited"])
+def test_a_transactional_entity_handler_raising_a_base_exception_counts_its_attempt(
+    db, make_worker, limited, after_lost_lease
+):
+    """A transactional handler's ``SystemExit`` rolls its take back and stops the worker. A
+    message queue records the attempt apart; an entity queue did not: the entity was due again
+    at once, uncounted, and stopped every next worker in turn, never reaching its last attempt.
+    Now counted the same way (a limited queue's lease, taken apart, is nacked)."""
+    queue = EntityQueue(Order, lease=timedelta(seconds=1), retry=ExponentialBackoff(max_attempts=3))
+    [order_id] = add_scheduled(db, queue, 1)
+    if limited:
+        with db.Session() as s, s.begin():
+            queue.set_limits(s, max_in_flight=5)
+    if after_lost_lease:
+        with db.Session() as s, s.begin():  # a consumer takes it and is never heard of again
+            assert len(queue.try_poll_many(s, 1)) == 1
+        time.sleep(1.2)
+    runs: list[int] = []
+
+    def handler(envelope: Envelope[Order], session: Session) -> None:
+        runs.append(envelope.attempt)
+        raise SystemExit("the handler bails out")
+
+    worker = make_worker(db, concurrency=1, poll_interval=0.02, listen=False)
+    worker.register(queue, handler, mode="transactional")
+    worker.start()
+    try:
+        assert wait_for(lambda: bool(runs), 30)
+        assert wait_for(lambda: getattr(worker, "worker", worker).stopping, 30)
+    finally:
+        try:
+            worker.stop(5)
+            error = getattr(worker, "worker", worker).failure
+        except WorkerError as exc:  # the asyncio worker's run() raised it
+            error = exc.__cause__
+    assert isinstance(error, SystemExit)
+    attempt = 2 if after_lost_lease else 1
+    assert runs == [attempt]  # once: the worker stopped instead of looping
+    with db.Session() as s:
+        order = s.get(Order, order_id)
+        assert order is not None
+        assert order.queue_attempts == attempt
+        assert order.queue_status == EntityStatus.FAILED
+        assert order.queue_lock_token is None  # not held by a lease
+        assert order.queue_next_attempt_at is not None  # scheduled for its retry
+        assert "SystemExit" in (order.queue_last_error or "")
