@@ -542,7 +542,9 @@ class BaseWorker(Generic[S]):
 
     def _check_hooks(self, hooks: WorkerHooks, where: str) -> None:
         for name in HOOKS:
-            self._check_callback(getattr(hooks, name), f"{where}.{name}")
+            fn = getattr(hooks, name, None)
+            if fn is not None:  # a stand-in without it fails at the call, logged as ever
+                self._check_callback(fn, f"{where}.{name}")
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run a hook or side task to its end on the runtime (await it, on asyncio)."""
