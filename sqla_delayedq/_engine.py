@@ -7,10 +7,11 @@
   (SQLAlchemy's documented recipe for pysqlite's transaction handling).
 - MariaDB/MySQL: ``READ COMMITTED``, which avoids the gap locks that ``REPEATABLE READ``
   takes on range scans, so producers are not blocked by consumers polling the same range. And
-  a connection that goes back to the pool is rolled back only when the server says a
-  transaction is open: the drivers (PyMySQL, aiomysql) send ``ROLLBACK`` whenever they are asked,
-  so the pool's reset cost a round trip after every commit (one of the four of a transactional
-  take, two of the seven of a lease-mode one).
+  a connection that goes back to the pool is rolled back unless its last transaction ended
+  with its ``Connection``'s commit or rollback and the server says none is open: the drivers
+  (PyMySQL, aiomysql) send ``ROLLBACK`` whenever they are asked, so the pool's reset cost a
+  round trip after every commit (one of the four of a transactional take, two of the seven of
+  a lease-mode one).
 
 Use :func:`configure_sqlite` on an engine you built yourself.
 
@@ -129,12 +130,15 @@ def engine_options(
     reset_if_open = False
     if url_family(url) is Family.MYSQL:
         kwargs.setdefault("isolation_level", "READ COMMITTED")
-        if "pool_reset_on_return" not in kwargs:  # the caller's choice stands
+        if "pool_reset_on_return" not in kwargs and "pool" not in kwargs:  # the caller's stand
             kwargs["pool_reset_on_return"] = None
             reset_if_open = True
 
     def configure(engine: Engine) -> Engine:
         if reset_if_open:
+            event.listen(engine, "begin", _began)
+            event.listen(engine, "commit", _ended)
+            event.listen(engine, "rollback", _ended)
             event.listen(engine, "reset", _rollback_if_open)
         return configure_sqlite(engine)
 
@@ -142,20 +146,38 @@ def engine_options(
 
 
 #: The server's status flag for an open transaction (``SERVER_STATUS_IN_TRANS``), which
-#: MariaDB and MySQL send with every reply.
+#: MariaDB and MySQL send with every OK reply (not with a result set's end, nor an error).
 _IN_TRANS = 1
 
+#: The pool record's ``info``: the last transaction of the connection ended through its
+#: ``Connection`` (SQLAlchemy's commit or rollback), nothing began since.
+_ENDED = "delayedq_transaction_ended"
 
-def _rollback_if_open(dbapi_connection: Any, _record: Any, state: Any) -> None:
+
+def _began(conn: sa.Connection) -> None:
+    conn.info.pop(_ENDED, None)
+
+
+def _ended(conn: sa.Connection) -> None:
+    if not (conn.invalidated or conn.closed):
+        conn.info[_ENDED] = True
+
+
+def _rollback_if_open(dbapi_connection: Any, record: Any, state: Any) -> None:
     """The pool's reset on MariaDB/MySQL: ``ROLLBACK`` unless the connection's own
-    ``Connection`` already rolled back (``transaction_was_reset``), or the server's last reply
-    said no transaction is open (after a commit). A driver that does not keep the status is
-    always rolled back, as the pool would have."""
+    ``Connection`` already rolled back (``transaction_was_reset``), or its last transaction
+    ended with the ``Connection``'s commit or rollback and the server's last reply said no
+    transaction is open. The flag alone is not enough: it is stale after a result set or an
+    error, so a transaction that only read (``SELECT ... FOR UPDATE``) and was never ended (a
+    ``Connection`` left to the garbage collector, the raw driver connection) would go back to
+    the pool holding its locks and snapshot. A driver that does not keep the status is always
+    rolled back, as the pool would have."""
+    ended = record is not None and record.info.pop(_ENDED, False)
     if state.transaction_was_reset or not state.asyncio_safe:
         return
     raw = getattr(dbapi_connection, "_connection", dbapi_connection)  # the asyncio adapters'
     status = getattr(raw, "server_status", None)
-    if isinstance(status, int) and not status & _IN_TRANS:
+    if ended and isinstance(status, int) and not status & _IN_TRANS:
         return
     dbapi_connection.rollback()
 

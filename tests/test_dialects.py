@@ -177,6 +177,68 @@ def test_mariadb_a_connection_returned_in_a_transaction_is_still_rolled_back(mar
         engine.dispose()
 
 
+def test_mariadb_a_connection_left_unended_after_a_read_is_still_rolled_back(mariadb):
+    """The server's in-transaction flag comes with OK replies only: after a commit, a
+    transaction that only read (``SELECT ... FOR UPDATE``) leaves it saying "none open". A
+    ``Connection`` left to the garbage collector went back to the pool with that transaction,
+    its row locks and its snapshot, and the next user of the pooled connection inherited them."""
+    import gc
+
+    engine = mariadb.new_engine(pool_size=1, max_overflow=0)
+    other = sa.create_engine(mariadb.url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text("CREATE TABLE reset_read (id INT PRIMARY KEY) ENGINE=InnoDB"))
+            conn.execute(sa.text("INSERT INTO reset_read VALUES (1)"))
+
+        def forgotten() -> None:
+            conn = engine.connect()
+            conn.execute(sa.text("SELECT id FROM reset_read WHERE id = 1 FOR UPDATE")).all()
+
+        forgotten()
+        gc.collect()
+        with other.begin() as conn:  # the row is free: the pool rolled the reader back
+            conn.execute(sa.text("SET SESSION innodb_lock_wait_timeout = 1"))
+            conn.execute(sa.text("SELECT id FROM reset_read WHERE id = 1 FOR UPDATE")).all()
+        with engine.connect() as conn:
+            open_trx = conn.execute(
+                sa.text(
+                    "SELECT count(*) FROM information_schema.innodb_trx"
+                    " WHERE trx_mysql_thread_id = CONNECTION_ID()"
+                )
+            ).scalar_one()
+            assert open_trx == 0
+    finally:
+        other.dispose()
+        with engine.begin() as conn:
+            conn.execute(sa.text("DROP TABLE IF EXISTS reset_read"))
+        engine.dispose()
+
+
+def test_mariadb_an_engine_on_a_pool_of_the_callers_is_accepted(mariadb):
+    """``create_engine(url, pool=...)``: the pool is the caller's, reset included (passing
+    ``pool_reset_on_return`` beside it is a ``TypeError``)."""
+    import pymysql
+
+    url = mariadb.url
+    pool = sa.pool.QueuePool(
+        lambda: pymysql.connect(
+            host=url.host,
+            port=url.port or 3306,
+            user=url.username,
+            password=url.password or "",
+            database=url.database,
+        ),
+        pool_size=1,
+    )
+    engine = mariadb.new_engine(pool=pool)
+    try:
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT 1")).scalar_one() == 1
+    finally:
+        engine.dispose()
+
+
 def test_mariadb_asyncio_engines_skip_the_rollback_after_a_commit_too(mariadb, monkeypatch):
     import asyncio
 
