@@ -21,7 +21,7 @@ from ._cli_stats import queue_stats
 from ._codec import Codec, check_strings, check_text, decode_headers
 from ._dialects import strategy_for, transient_as_ours
 from ._rules import check_priority
-from ._time import require_aware, require_duration
+from ._time import LONGEST, require_aware, require_duration
 from ._types import MessageFilter, MessageInfo, QueueCounts, State
 from .errors import ConfirmationRequired, DecodeError, InvalidArgument
 
@@ -304,7 +304,7 @@ class AdminMixin:
         keep = older_than if older_than is not None else self.retention
         if keep is None:
             raise InvalidArgument("prune needs older_than, or a queue created with retention")
-        keep = require_duration(keep, "older_than", allow_zero=True)
+        keep = require_duration(keep, "older_than", allow_zero=True, most=LONGEST)
         t = self.table
         stmt = delete(t).where(
             t.c.queue == self.name,

@@ -33,6 +33,7 @@ from ._cli_base import (
     queues_option,
 )
 from ._cli_target import open_db
+from ._time import LONGEST, require_duration
 from ._types import MessageFilter
 
 UTC = timezone.utc
@@ -127,7 +128,7 @@ def resolve_when(at: datetime | None, delay: timedelta | None) -> datetime | Non
     if at is not None and delay is not None:
         raise BadInput("give --at or --in, not both")
     if delay is not None:
-        return datetime.now(UTC) + delay
+        return datetime.now(UTC) + require_duration(delay, "--in", allow_zero=True, most=LONGEST)
     return at
 
 

@@ -148,6 +148,8 @@ def parse_duration(text: str) -> timedelta:
             raise ValueError(f"{text!r} is not a duration (e.g. 300, 90s, 5m, 1h30m)") from None
     if not math.isfinite(seconds) or seconds < 0:
         raise ValueError(f"{text!r} is not a duration (e.g. 300, 90s, 5m, 1h30m)")
+    if seconds >= timedelta.max.total_seconds():
+        raise ValueError(f"{text!r} is longer than any duration (999999999 days)")
     return timedelta(seconds=seconds)
 
 

@@ -389,13 +389,19 @@ def require_option(
     least: float | None = None,
     above: float | None = None,
 ) -> None:
-    """Refuse a worker option that is not a number (an int where ``whole``) in its range."""
+    """Refuse a worker option that is not a number (an int where ``whole``) in its range; one
+    that is not ``whole`` is seconds, at most :data:`threading.TIMEOUT_MAX` (about 292 years),
+    the longest a thread's wait takes (a longer one stopped the worker with an OverflowError)."""
     if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)):
         kind = "an int" if whole else "a number"
         raise InvalidArgument(f"{name} must be {kind}, got {type(value).__name__}")
     number = float(value)
     if not math.isfinite(number):  # a thread's wait would raise on it, or wait for ever
         raise InvalidArgument(f"{name} must be a finite number, got {value}")
+    if not whole and number > threading.TIMEOUT_MAX:
+        raise InvalidArgument(
+            f"{name} must be at most {threading.TIMEOUT_MAX:.0f} seconds, got {value}"
+        )
     if least is not None and number < least:
         raise InvalidArgument(f"{name} must be >= {least}, got {value}")
     if above is not None and number <= above:

@@ -34,7 +34,7 @@ from datetime import date, datetime, time, timedelta, timezone
 from typing import Any, ClassVar
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from ._time import require_aware, require_duration
+from ._time import LONGEST, require_aware, require_duration
 from .errors import InvalidArgument
 
 __all__ = ["CronSchedule", "DailySchedule", "PeriodicTick", "Schedule"]
@@ -80,7 +80,7 @@ class PeriodicTick(Schedule):
     kind: ClassVar[str] = "periodic"
 
     def __post_init__(self) -> None:
-        require_duration(self.period, "period")
+        require_duration(self.period, "period", most=LONGEST)
         if self.period < _SECOND or self.period % _SECOND:
             raise InvalidArgument(
                 f"period must be a whole number of seconds, at least one; got {self.period}"

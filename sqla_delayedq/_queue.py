@@ -23,7 +23,7 @@ from ._handlers import run_in_savepoint
 from ._leases import UNSEEN, Ahead, LeasedQueue, Processed, check_count, leases_apart
 from ._offers import OfferInput
 from ._rules import after_failure, check_priority, held_due, lost_token
-from ._time import Clock, require_aware, require_duration, require_lease, system_clock
+from ._time import LONGEST, Clock, require_aware, require_duration, require_lease, system_clock
 from ._types import Delivery, Envelope, NackOutcome, OfferMode, OfferResult, Outcome, built
 from .errors import DecodeError, InvalidArgument
 from .models import KEY_MAX, QUEUE_MAX, DelayedMessage, QueueMessageMixin
@@ -110,7 +110,9 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
             raise InvalidArgument("priority_aging needs priorities=True")
         self.priorities = priorities
         self.priority_aging = (
-            None if priority_aging is None else require_duration(priority_aging, "priority_aging")
+            None
+            if priority_aging is None
+            else require_duration(priority_aging, "priority_aging", most=LONGEST)
         )
         self.grouping: st.Grouping = (
             None if not groups else "dead_blocks" if dead_blocks_group else "dead_skips"
@@ -124,7 +126,9 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         self.retry_policy: RetryPolicy = check_policy(
             ExponentialBackoff() if retry is None else retry
         )
-        self.retention = None if retention is None else require_duration(retention, "retention")
+        self.retention = (
+            None if retention is None else require_duration(retention, "retention", most=LONGEST)
+        )
         self.clock = clock
         self.notify = notify
         self._init_leases()

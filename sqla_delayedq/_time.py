@@ -76,15 +76,17 @@ def require_duration(
     return value
 
 
-#: The longest lease: one taken before year 9000 still ends at a time a datetime holds (they
-#: end with year 9999). A longer one was accepted and then failed every take.
-LONGEST_LEASE = timedelta(days=365_000)
+#: The longest duration added to or taken from the current time (a lease, a retention, an
+#: aging, a look-ahead, a rate's period): from any time between the years 1000 and 9000 the
+#: result is still a time a datetime holds (years 1 to 9999), and MariaDB's ``DATETIME`` too.
+#: A longer one was accepted and then failed every take, prune or pass with an OverflowError.
+LONGEST = timedelta(days=365_000)
 
 
 def require_lease(value: timedelta, name: str = "lease") -> timedelta:
     """Validate a lease (a queue's, a registration's, a take's or an extension's): positive,
-    and at most :data:`LONGEST_LEASE`."""
-    return require_duration(value, name, most=LONGEST_LEASE)
+    and at most :data:`LONGEST`."""
+    return require_duration(value, name, most=LONGEST)
 
 
 class DateTimeUTC(TypeDecorator[datetime]):

@@ -42,6 +42,7 @@ from sqlalchemy.orm import Session
 from . import _wakeup
 from ._dialects import strategy_for
 from ._statements import affected
+from ._time import LONGEST, require_duration
 from .errors import DelayedQueueError, InvalidArgument
 from .models import QUEUE_MAX, controls_table
 
@@ -257,15 +258,21 @@ def _check_rate(rate: Any) -> tuple[int | None, float | None]:
         raise InvalidArgument(f"rate must be (count, period) or None, got {rate!r}")
     count = _check_limit(rate[0], "the rate's count")
     period = rate[1]
-    seconds = period.total_seconds() if isinstance(period, timedelta) else period
-    if (
-        not isinstance(seconds, (int, float))
-        or isinstance(seconds, bool)
-        or not math.isfinite(seconds)
-        or seconds <= 0
-    ):
-        raise InvalidArgument(f"the rate's period must be a positive duration, got {period!r}")
-    return count, float(seconds)
+    if not isinstance(period, timedelta):
+        if (
+            not isinstance(period, (int, float))
+            or isinstance(period, bool)
+            or not math.isfinite(period)
+            or period <= 0
+        ):
+            raise InvalidArgument(f"the rate's period must be a positive duration, got {period!r}")
+        # Seconds past what a timedelta holds are too long all the same (refused below).
+        period = timedelta.max if period >= _LONGEST else timedelta(seconds=period)
+    return count, require_duration(period, "the rate's period", most=LONGEST).total_seconds()
+
+
+#: ``timedelta.max`` in seconds.
+_LONGEST = timedelta.max.total_seconds()
 
 
 def change(

@@ -59,7 +59,7 @@ from . import _statements as st
 from ._cron_schedules import CronSchedule, DailySchedule, PeriodicTick, Schedule
 from ._dialects import Strategy, is_transient, strategy_for
 from ._queue import DelayedQueue
-from ._time import require_aware, require_duration
+from ._time import LONGEST, require_aware, require_duration
 from ._types import OfferMode, Outcome, QueueCounts
 from .errors import DecodeError, DelayedQueueError, InvalidArgument
 from .models import KEY_MAX
@@ -478,7 +478,7 @@ def install_tick(
     queue = _check_queue(queue)
     if not isinstance(config, CronConfig):
         raise InvalidArgument(f"config must be a CronConfig, got {type(config).__name__}")
-    lookahead = require_duration(lookahead, "lookahead")
+    lookahead = require_duration(lookahead, "lookahead", most=LONGEST)
     _check_max_ticks(max_ticks)
     strategy = strategy_for(session)
     state, found = _lock_state(session, strategy, queue, config)
@@ -729,7 +729,7 @@ class CronService:
                     "the other's ticks"
                 )
             seen.add(config.prefix)
-        self.lookahead = require_duration(lookahead, "lookahead")
+        self.lookahead = require_duration(lookahead, "lookahead", most=LONGEST)
         self.max_ticks = _check_max_ticks(max_ticks)
         self._last_errors: dict[str, str] = {}
 
@@ -804,10 +804,11 @@ class CronService:
         seconds = interval.total_seconds() if isinstance(interval, timedelta) else interval
         if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds <= 0:
             raise InvalidArgument(f"interval must be a positive duration, got {interval!r}")
-        if timedelta(seconds=seconds) >= self.lookahead:
+        if seconds >= self.lookahead.total_seconds():  # (a timedelta of it may overflow)
+            shown = interval if isinstance(interval, timedelta) else f"{seconds} s"
             raise InvalidArgument(
-                f"interval ({timedelta(seconds=seconds)}) must be shorter than the look-ahead "
-                f"({self.lookahead}), or ticks fall between two passes"
+                f"interval ({shown}) must be shorter than the look-ahead ({self.lookahead}), or "
+                "ticks fall between two passes"
             )
         return float(seconds)
 

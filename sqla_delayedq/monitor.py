@@ -49,6 +49,7 @@ from sqlalchemy import delete, insert, inspect, or_, update
 from sqlalchemy.orm import Session
 
 from ._consumer import BaseWorker, WorkerHooks, retryable
+from ._time import LONGEST, require_duration
 from ._types import Envelope, NackOutcome
 from .errors import InvalidArgument
 from .models import stats_table, table_key, workers_table
@@ -114,8 +115,7 @@ class WorkerMonitor(WorkerHooks):
     ) -> None:
         if heartbeat <= 0:
             raise InvalidArgument(f"heartbeat must be > 0 seconds, got {heartbeat}")
-        if history <= timedelta(0):
-            raise InvalidArgument(f"history must be positive, got {history}")
+        require_duration(history, "history", most=LONGEST)
         self.worker = worker
         self.id = uuid.uuid4().hex
         self.heartbeat = float(heartbeat)

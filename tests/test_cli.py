@@ -672,6 +672,9 @@ def test_reschedule_to_now_and_later(backend: Backend, run: Run) -> None:
         (["k", "--at", "tomorrow"], "is not an ISO 8601 datetime"),
         (["k", "--in", "soon"], "is not a duration"),
         (["k", "--in", "5m", "--at", "now"], "give --at or --in, not both"),
+        # Were tracebacks (an OverflowError): past what a timedelta, or now + it, holds.
+        (["k", "--in", "99999999999d"], "longer than any duration"),
+        (["k", "--in", "3000000d"], "--in must be at most 365000 days"),
         ([], "say what to reschedule"),
     ],
 )

@@ -182,6 +182,12 @@ def test_config_hash_is_deterministic_short_and_tracks_schedule_and_payload() ->
         lambda: PeriodicTick(timedelta(seconds=-5)),
         lambda: PeriodicTick(timedelta(milliseconds=1500)),
         lambda: PeriodicTick(3600),  # type: ignore[arg-type]
+        # Accepted, then its ticks (epoch + k * period) overflowed past year 9999.
+        lambda: PeriodicTick(timedelta(days=3_000_000)),
+        # Accepted, then every pass (now + lookahead) failed with an OverflowError.
+        lambda: CronService(DelayedQueue("c"), [], lookahead=timedelta.max),
+        # An OverflowError before (a timedelta of 1e300 seconds).
+        lambda: CronService(DelayedQueue("c"), []).interval_seconds(1e300),
         lambda: DailySchedule(()),
         lambda: DailySchedule((time(3, 0, 0, 5),)),
         lambda: DailySchedule((time(3, tzinfo=UTC),)),

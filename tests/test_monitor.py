@@ -182,8 +182,11 @@ def test_monitor_worker_checks_its_arguments(backend: Backend) -> None:
         monitor_worker("worker")  # type: ignore[arg-type]
     with pytest.raises(InvalidArgument, match="heartbeat must be > 0"):
         monitor_worker(worker, heartbeat=0)
-    with pytest.raises(InvalidArgument, match="history must be positive"):
+    with pytest.raises(InvalidArgument, match="history must be > 0"):
         monitor_worker(worker, history=timedelta(0))
+    # Accepted, then every prune of the counters (now - history) failed with an OverflowError.
+    with pytest.raises(InvalidArgument, match="history must be at most 365000 days"):
+        monitor_worker(worker, history=timedelta.max)
 
 
 # -- a `delayedq worker` process -----------------------------------------------------------------

@@ -288,6 +288,12 @@ CYCLE.append(CYCLE)
         # Regression: accepted, then the take failed on a lease end past year 9999.
         (lambda q, s: q.try_poll(s, lease=timedelta.max), "lease must be at most"),
         (lambda q, s: q.try_poll_many(s, 0), "positive integer"),
+        # Regression: an OverflowError (now - older_than before year 1).
+        (lambda q, s: q.prune(s, timedelta.max), "older_than must be at most 365000 days"),
+        (lambda q, s: q.prune(s, timedelta(days=365_001)), "older_than must be at most"),
+        # Regression: an OverflowError, or a period stored that no read of it could convert.
+        (lambda q, s: q.set_limits(s, rate=(1, timedelta.max)), "period must be at most"),
+        (lambda q, s: q.set_limits(s, rate=(1, 1e300)), "period must be at most"),
         (lambda q, s: q.offer_batch(s, [("ok", 1), ("bad",)]), r"messages\[1\]"),
         (lambda q, s: q.offer_batch(s, [("ok", 1), ("k", 1, datetime(2030, 1, 1))]), "naive"),
         (lambda q, s: q.offer(s, "k", CYCLE), "refers to itself"),
@@ -322,10 +328,44 @@ def test_bad_queue_settings_are_refused(clock):
         DelayedQueue("q", lease=timedelta(0))
     with pytest.raises(InvalidArgument, match="lease must be at most"):
         DelayedQueue("q", lease=timedelta(days=365_001))  # its takes failed past year 9999
+    # Accepted, then every prune (now - retention) or every take (now - aging) overflowed.
+    with pytest.raises(InvalidArgument, match="retention must be at most 365000 days"):
+        DelayedQueue("q", retention=timedelta.max)
+    with pytest.raises(InvalidArgument, match="priority_aging must be at most 365000 days"):
+        DelayedQueue("q", priorities=True, priority_aging=timedelta(days=740_000))
     with pytest.raises(InvalidArgument, match="naive"):
         DelayedQueue("q", clock=lambda: datetime(2030, 1, 1)).now()
     with pytest.raises(EncodeError):
         DelayedQueue("q", serializer=BytesSerializer()).codec.values("not bytes")  # type: ignore[arg-type]
+
+
+def test_the_longest_durations_and_the_farthest_times_work_on_every_backend(backend, clock):
+    """What a refused value is refused for: the longest retention, aging and rate period, and
+    a message due at the last microsecond a datetime holds (MariaDB's DATETIME too)."""
+    from sqla_delayedq import DelayedQueue
+    from sqla_delayedq._time import LONGEST
+
+    last = datetime.max.replace(tzinfo=timezone.utc)
+    q: DelayedQueue[Any] = DelayedQueue(
+        "far", retention=LONGEST, priorities=True, priority_aging=LONGEST, clock=clock
+    )
+    with backend.Session() as s, s.begin():
+        q.offer(s, "now", 1)
+        q.offer(s, "last", 2, last)
+        env = q.try_poll(s)  # its first probe reads the messages due since now - LONGEST
+        assert env is not None and env.key == "now"
+        assert q.ack(s, env)
+        assert q.prune(s) == 0 and q.prune(s, LONGEST) == 0  # done just now: kept
+        assert q.prune(s, timedelta(0)) == 0
+        clock.advance(1)
+        assert q.prune(s, timedelta(0)) == 1
+        assert q.get(s, "last").scheduled_at == last
+        assert q.reschedule(s, "last", last - timedelta(microseconds=1)) == 1
+        assert q.get(s, "last").scheduled_at == last - timedelta(microseconds=1)
+        assert q.set_limits(s, rate=(1, LONGEST)).rate_period == LONGEST
+        assert q.controls(s).rate_period == LONGEST
+    with backend.Session() as s, s.begin():
+        assert q.try_poll(s) is None  # under the rate's controls: nothing due
 
 
 def test_payload_type_is_recorded_and_checked(backend, make_queue):

@@ -1647,6 +1647,22 @@ def test_worker_options_that_are_no_finite_number_are_refused(backend, value):
         worker.stop(value)
 
 
+def test_worker_seconds_longer_than_a_thread_can_wait_are_refused(backend):
+    """Accepted before: a poll interval of 1e10 seconds ended every consumer thread on an
+    OverflowError from its first wait ("timeout value is too large"), as an interval did its
+    side task's, and a drain timeout did the stop's join."""
+    value: Any = threading.TIMEOUT_MAX * 2
+    for option in ("poll_interval", "drain_timeout"):
+        with pytest.raises(InvalidArgument, match=f"{option} must be at most"):
+            Worker(backend.Session, **{option: value})
+    Worker(backend.Session, poll_interval=threading.TIMEOUT_MAX)  # the longest is fine
+    worker = Worker(backend.Session).register(DelayedQueue("q"), lambda env: None)
+    with pytest.raises(InvalidArgument, match="interval must be at most"):
+        worker.add_periodic("tick", lambda sessions: None, value)
+    with pytest.raises(InvalidArgument, match="drain_timeout must be at most"):
+        worker.stop(value)
+
+
 # -- side tasks and extra hooks ---------------------------------------------------------------
 
 
