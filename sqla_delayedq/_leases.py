@@ -182,6 +182,7 @@ class LeasedQueue(abc.ABC, Generic[T]):
     ) -> NackOutcome:
         """Record a failed attempt of a row whose transactional take rolled back."""
 
+    @transient_as_ours
     def process_next(
         self, session: Session, handler: Callable[[Envelope[T], Session], Any]
     ) -> tuple[Processed[T] | None, Ahead]:
@@ -191,6 +192,7 @@ class LeasedQueue(abc.ABC, Generic[T]):
 
     # -- take ----------------------------------------------------------------------------------
 
+    @transient_as_ours
     def try_poll(self, session: Session, *, lease: timedelta | None = None) -> Envelope[T] | None:
         """Take the first due row (by due time, then id), or None."""
         taken = self.try_poll_many(session, 1, lease=lease)
@@ -295,6 +297,7 @@ class LeasedQueue(abc.ABC, Generic[T]):
 
     # -- controls ------------------------------------------------------------------------------
 
+    @transient_as_ours
     def gate(self, session: Session) -> ctl.QueueControls | None:
         """This queue's controls as this process last read them (at most
         :data:`~sqla_delayedq.controls.REFRESH` seconds ago); None when it is plain."""
@@ -369,15 +372,18 @@ class LeasedQueue(abc.ABC, Generic[T]):
         lost = LeaseLost(f"{self.name}/{envelope.key}: the lease was lost before the ack")
         return envelope, lost, NackOutcome.STALE
 
+    @transient_as_ours
     def pause(self, session: Session) -> ctl.QueueControls:
         """Stop every consumer of this queue, in every process, from taking (offers are still
         accepted; messages in flight finish). Takes effect when the session commits."""
         return ctl.change(session, self.wake_key, self.name, self.now(), paused=True)
 
+    @transient_as_ours
     def resume(self, session: Session) -> ctl.QueueControls:
         """Undo :meth:`pause`; idle consumers wake at once (on PostgreSQL, in every process)."""
         return ctl.change(session, self.wake_key, self.name, self.now(), paused=False)
 
+    @transient_as_ours
     def set_limits(
         self,
         session: Session,
@@ -397,10 +403,12 @@ class LeasedQueue(abc.ABC, Generic[T]):
             rate=rate,
         )
 
+    @transient_as_ours
     def controls(self, session: Session) -> ctl.QueueControls:
         """The queue's controls as the database holds them now."""
         return ctl.read(session, self.wake_key, self.name)
 
+    @transient_as_ours
     def next_due(self, session: Session) -> datetime | None:
         """When the next row becomes due after now (None: nothing scheduled)."""
         now = self.now()

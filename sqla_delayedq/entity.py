@@ -309,6 +309,7 @@ class EntityQueue(LeasedQueue[M]):
 
     # -- scheduling ------------------------------------------------------------------------
 
+    @transient_as_ours
     def schedule(
         self,
         session: Session,
@@ -368,6 +369,7 @@ class EntityQueue(LeasedQueue[M]):
         restart = st.restart_values(self.shape, self.now(), when, held_prefix(when), old)
         return self._update(session, conds, restart)
 
+    @transient_as_ours
     def stop(self, session: Session, *where: ColumnElement[bool]) -> int:
         """Clear the next attempt of matching pending rows; returns how many.
 
@@ -379,6 +381,7 @@ class EntityQueue(LeasedQueue[M]):
             session, conds, {"queue_next_attempt_at": None, "queue_lock_token": None}
         )
 
+    @transient_as_ours
     def process_now(self, session: Session, *where: ColumnElement[bool]) -> int:
         """Make matching rows that wait for a later time due now; returns how many.
 
@@ -394,6 +397,7 @@ class EntityQueue(LeasedQueue[M]):
         ]
         return self._update(session, conds, {"queue_next_attempt_at": now})
 
+    @transient_as_ours
     def retry_failed(
         self, session: Session, *where: ColumnElement[bool], at: datetime | None = None
     ) -> int:
@@ -685,6 +689,7 @@ class EntityQueue(LeasedQueue[M]):
         """See :func:`succeeded`."""
         return succeeded(self.model)
 
+    @transient_as_ours
     def counts(self, session: Session, *where: ColumnElement[bool]) -> EntityCounts:
         """Rows per state, among those matching ``where`` (all rows when none)."""
         row = session.execute(counts(self.model, self.now(), _conditions(where))).one()

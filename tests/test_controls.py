@@ -556,7 +556,7 @@ def test_a_lost_connection_while_reading_controls_is_an_error_not_a_missing_tabl
     was taken as plain and the session's dead transaction stopped the worker."""
     from sqlalchemy.exc import DBAPIError
 
-    from sqla_delayedq import controls
+    from sqla_delayedq import TransientError, controls
 
     q: DelayedQueue[Any] = DelayedQueue("killed")
     with pg.Session() as s, s.begin():
@@ -568,8 +568,9 @@ def test_a_lost_connection_while_reading_controls_is_an_error_not_a_missing_tabl
             with admin.connect() as conn:
                 conn.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": pid})
             controls.invalidate()
-            with pytest.raises(DBAPIError):
+            with pytest.raises(TransientError) as lost:  # the library's, as from any operation
                 q.gate(s)
+            assert isinstance(lost.value.__cause__, DBAPIError)
     finally:
         admin.dispose()
     with pg.Session() as s:

@@ -8,6 +8,7 @@ for real (PostgreSQL 55P03, MariaDB 1205), without faking any driver error.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 import time
 from collections.abc import Callable
@@ -19,7 +20,10 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from sqla_delayedq import DelayedQueue, Outcome, TransientError, is_transient, run_in_transaction
+from sqla_delayedq._dialects import transient_as_ours
 from sqla_delayedq.aio import AsyncQueue, run_in_transaction_async
+from sqla_delayedq.entity import EntityQueue
+from tests.entity_app.models import Order
 
 #: ``Connection.info`` flag: this pooled connection's lock wait was shortened.
 SHORT_WAIT = "test_short_lock_wait"
@@ -177,14 +181,51 @@ KILL_OWN_CONNECTION = {
 }
 
 
-@pytest.mark.parametrize("read", ["count", "count_up_to"])
+def _noop(envelope: Any, session: Session) -> None:
+    pass
+
+
+#: Every public operation of both kinds of queue that runs SQL, as ``(queue, session) -> ...``.
+OPERATIONS: dict[str, Callable[[Any, Session], Any]] = {
+    "count": lambda q, s: q.count(s),
+    "count_up_to": lambda q, s: q.count_up_to(s),
+    "pause": lambda q, s: q.pause(s),
+    "resume": lambda q, s: q.resume(s),
+    "set_limits": lambda q, s: q.set_limits(s, max_in_flight=3),
+    "controls": lambda q, s: q.controls(s),
+    "next_due": lambda q, s: q.next_due(s),
+    "gate": lambda q, s: q.gate(s),
+    "process_next": lambda q, s: q.process_next(s, _noop),
+}
+ENTITY_OPERATIONS: dict[str, Callable[[Any, Session], Any]] = {
+    "schedule": lambda q, s: q.schedule(s, sa.true()),
+    "stop": lambda q, s: q.stop(s),
+    "process_now": lambda q, s: q.process_now(s),
+    "retry_failed": lambda q, s: q.retry_failed(s),
+    "counts": lambda q, s: q.counts(s),
+    "pause": OPERATIONS["pause"],
+    "set_limits": OPERATIONS["set_limits"],
+    "next_due": OPERATIONS["next_due"],
+    "gate": OPERATIONS["gate"],
+    "process_next": OPERATIONS["process_next"],
+}
+CASES = [("message", name, op) for name, op in OPERATIONS.items()] + [
+    ("entity", name, op) for name, op in ENTITY_OPERATIONS.items()
+]
+
+
+@pytest.mark.parametrize(
+    ("kind", "name", "operation"), CASES, ids=[f"{kind}-{name}" for kind, name, _ in CASES]
+)
 def test_a_lost_connection_in_an_admin_read_raises_the_library_transient_error(
-    server_backend, read
+    server_backend, kind, name, operation
 ):
-    """``count_up_to`` alone of the admin methods let the driver's error through: a lost
-    connection there was an ``OperationalError``, where ``count`` beside it (and every other
-    operation) raises ``TransientError``, which ``run_in_transaction`` retries."""
-    q: DelayedQueue[Any] = DelayedQueue("admin-read")
+    """Every public queue operation raises ``TransientError`` (which ``run_in_transaction``
+    retries) for a lost connection: ``count_up_to``, the controls (``pause``, ``resume``,
+    ``set_limits``, ``controls``, ``gate``), ``next_due``, ``process_next`` and the entity
+    queue's ``schedule``, ``stop``, ``process_now``, ``retry_failed`` and ``counts`` let the
+    driver's ``OperationalError`` through, where their siblings raised ``TransientError``."""
+    q: Any = DelayedQueue("admin-read") if kind == "message" else EntityQueue(Order)
     own_id, kill = KILL_OWN_CONNECTION[server_backend.name]
     with server_backend.Session() as s:
         conn_id = s.execute(text(own_id)).scalar_one()
@@ -197,5 +238,19 @@ def test_a_lost_connection_in_an_admin_read_raises_the_library_transient_error(
                     time.monotonic() < deadline
                 ):
                     time.sleep(0.02)
-        with pytest.raises(TransientError, match=f"{read} hit a transient database error"):
-            getattr(q, read)(s)
+        with pytest.raises(TransientError, match="hit a transient database error"):
+            operation(q, s)
+
+
+def test_every_public_queue_operation_on_a_session_raises_the_library_transient_error():
+    """The rule the test above checks on a server, for every public method of both kinds of
+    queue that takes a session (a method added later included)."""
+    wrapped = transient_as_ours(_noop).__code__
+    for cls in (DelayedQueue, EntityQueue):
+        for attr in dir(cls):
+            fn = getattr(cls, attr)
+            if attr.startswith("_") or not callable(fn) or isinstance(fn, type):
+                continue
+            if "session" not in inspect.signature(fn).parameters:
+                continue
+            assert fn.__code__ is wrapped, f"{cls.__name__}.{attr} lacks @transient_as_ours"
