@@ -120,6 +120,35 @@ def waiting(worker: Any) -> int:
     return 0 if rt is None else len(rt._waiting)
 
 
+def stopped_by(worker: Any, until: Callable[[], bool], timeout: float = 30) -> BaseException | None:
+    """Start ``worker``, wait for ``until`` and for the worker to stop on its own, stop it, and
+    return what stopped it (the thread worker's ``failure``; the asyncio worker's ``run()``
+    raises it as a ``WorkerError``'s cause)."""
+    import time
+
+    from sqla_delayedq import WorkerError
+
+    def wait(condition: Callable[[], bool]) -> bool:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    worker.start()
+    try:
+        assert wait(until)
+        assert wait(lambda: getattr(worker, "worker", worker).stopping)
+    finally:
+        try:
+            worker.stop(5)
+            error = getattr(worker, "worker", worker).failure
+        except WorkerError as exc:
+            error = exc.__cause__
+    return error
+
+
 @contextlib.contextmanager
 def running(worker: Any, drain_timeout: float = 10.0) -> Iterator[Any]:
     worker.start()

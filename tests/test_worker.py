@@ -47,7 +47,7 @@ from sqla_delayedq.testing import (
     drain_async,
 )
 from sqla_delayedq.worker import Worker, WorkerHooks
-from tests.fix_workers import AsyncRunner, losing_a_commit_reply, running, waiting
+from tests.fix_workers import AsyncRunner, losing_a_commit_reply, running, stopped_by, waiting
 
 MODES = ("lease", "transactional")
 DEAD = NackOutcome.DEAD
@@ -414,16 +414,7 @@ def test_a_handler_raising_a_base_exception_stops_the_worker_loudly(
 
     worker = make_worker(backend, concurrency=1, poll_interval=0.02, listen=False)
     worker.register(q, handler, mode=mode)
-    worker.start()
-    try:
-        assert wait_for(lambda: bool(runs), 30)
-        assert wait_for(lambda: getattr(worker, "worker", worker).stopping, 30)
-    finally:
-        try:
-            worker.stop(5)
-            error = getattr(worker, "worker", worker).failure
-        except WorkerError as exc:  # the asyncio worker's run() raised it
-            error = exc.__cause__
+    error = stopped_by(worker, lambda: bool(runs))
     assert isinstance(error, raised)
     assert runs == ["poison"]  # once: the worker stopped instead of looping or leasing it
     with backend.Session() as s:
@@ -1755,15 +1746,7 @@ def test_a_keyboard_interrupt_from_a_hook_still_stops_the_worker(backend, make_w
         backend, concurrency=1, poll_interval=0.05, listen=False, hooks=Interrupting()
     )
     worker.register(q, lambda env: None)
-    worker.start()
-    try:
-        assert wait_for(lambda: getattr(worker, "worker", worker).stopping, 20)
-    finally:
-        try:
-            worker.stop(5)
-            error = getattr(worker, "worker", worker).failure
-        except WorkerError as exc:  # the asyncio worker's run() raised it
-            error = exc.__cause__
+    error = stopped_by(worker, lambda: True, 20)
     assert isinstance(error, KeyboardInterrupt)
 
 

@@ -26,11 +26,10 @@ from sqla_delayedq import (
     EntityStatus,
     Envelope,
     ExponentialBackoff,
-    WorkerError,
 )
 from tests.entity_app.models import Base, Order
 from tests.fix_db import Backend
-from tests.fix_workers import losing_a_commit_reply, running
+from tests.fix_workers import losing_a_commit_reply, running, stopped_by
 
 MODES = ("lease", "transactional")
 
@@ -269,16 +268,7 @@ def test_a_transactional_entity_handler_raising_a_base_exception_counts_its_atte
 
     worker = make_worker(db, concurrency=1, poll_interval=0.02, listen=False)
     worker.register(queue, handler, mode="transactional")
-    worker.start()
-    try:
-        assert wait_for(lambda: bool(runs), 30)
-        assert wait_for(lambda: getattr(worker, "worker", worker).stopping, 30)
-    finally:
-        try:
-            worker.stop(5)
-            error = getattr(worker, "worker", worker).failure
-        except WorkerError as exc:  # the asyncio worker's run() raised it
-            error = exc.__cause__
+    error = stopped_by(worker, lambda: bool(runs))
     assert isinstance(error, SystemExit)
     attempt = 2 if after_lost_lease else 1
     assert runs == [attempt]  # once: the worker stopped instead of looping
