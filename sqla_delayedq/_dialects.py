@@ -177,12 +177,18 @@ class Strategy(abc.ABC):
     sees_rows_of_awaited_transactions: ClassVar[bool] = True
 
     def insert_one(
-        self, session: Session, t: Table, row: dict[str, Any], *, notify: str | None = None
+        self,
+        session: Session | Connection,
+        t: Table,
+        row: dict[str, Any],
+        *,
+        notify: str | None = None,
     ) -> bool:
         """Insert-if-absent one new row; whether it was written (False: the key exists).
 
         ``notify``: a queue whose consumers the insert itself may wake on commit (PostgreSQL
-        sends the ``NOTIFY`` in the same statement; elsewhere it is ignored).
+        sends the ``NOTIFY`` in the same statement; elsewhere it is ignored). ``session`` may be
+        a Core ``Connection`` (an autocommit offer of the Engine form).
         """
         stmt = self.cached(t, "insert_one", lambda: self.insert_ignore(t).returning(t.c.id))
         return session.execute(stmt, row).first() is not None
@@ -515,7 +521,12 @@ class PostgreSQLStrategy(Strategy):
         return f"{head}~{digest}"
 
     def insert_one(
-        self, session: Session, t: Table, row: dict[str, Any], *, notify: str | None = None
+        self,
+        session: Session | Connection,
+        t: Table,
+        row: dict[str, Any],
+        *,
+        notify: str | None = None,
     ) -> bool:
         if notify is None:
             return super().insert_one(session, t, row)
@@ -738,7 +749,12 @@ class MySQLStrategy(Strategy):
     has_server_clock = True
 
     def insert_one(
-        self, session: Session, t: Table, row: dict[str, Any], *, notify: str | None = None
+        self,
+        session: Session | Connection,
+        t: Table,
+        row: dict[str, Any],
+        *,
+        notify: str | None = None,
     ) -> bool:
         result: Any = session.execute(self.cached(t, "upsert", lambda: self.insert_or_lock(t)), row)
         return bool(result.lastrowid)

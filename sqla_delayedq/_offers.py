@@ -36,7 +36,7 @@ from ._dialects import NewRow, Strategy, strategy_for, strategy_for_bind
 from ._rules import new_row, offer_changes
 from ._time import require_aware
 from ._types import OfferMode, OfferResult, Outcome
-from ._wakeup import announce, notify_pending, payload
+from ._wakeup import announce, committed, notify_pending, payload
 from .errors import ConcurrentUpdate, InvalidArgument
 from .models import KEY_MAX, table_key
 
@@ -152,14 +152,16 @@ def offer_alone(
     """
     strategy = strategy_for_bind(conn)
     if strategy.autocommit_offer:
+        # On the connection itself, without a Session (a Session and its commit cost more than
+        # the statement): the insert carries its own NOTIFY (see _insert_new).
         row = new_row(q.name, key, payload, at or now, now, group)
         conn.execution_options(isolation_level="AUTOCOMMIT")
-        with Session(conn) as s:
-            created = _insert_new(q, s, strategy, row)
-            if created:
-                wake(q, s, strategy, 1)
-            s.commit()  # the statement committed itself; this runs the local wake-up
+        notify = _notify_on_insert(q, None, strategy)
+        created = strategy.insert_one(conn, q.table, row, notify=notify)
+        conn.commit()  # ends SQLAlchemy's transaction object; the statement committed itself
         if created:
+            if q.notify:
+                committed(table_key(q.table), q.name, 1)
             return Outcome.CREATED
         if mode is OfferMode.SKIP:
             return Outcome.IGNORED
@@ -171,11 +173,14 @@ def offer_alone(
     return outcome
 
 
-def _notify_on_insert(q: Target, session: Session, strategy: Strategy) -> str | None:
-    """The queue to wake from the insert itself (PostgreSQL piggybacks ``NOTIFY`` on it)."""
-    if q.notify and strategy.has_notify and notify_pending(session, table_key(q.table), q.name):
-        return q.name
-    return None
+def _notify_on_insert(q: Target, session: Session | None, strategy: Strategy) -> str | None:
+    """The queue to wake from the insert itself (PostgreSQL piggybacks ``NOTIFY`` on it);
+    ``session`` None: a statement that commits on its own, with nothing announced before it."""
+    if not (q.notify and strategy.has_notify):
+        return None
+    if session is not None and not notify_pending(session, table_key(q.table), q.name):
+        return None
+    return q.name
 
 
 # -- a batch -----------------------------------------------------------------------------------
@@ -299,14 +304,38 @@ def offer_batch(
     items = _validate(q, messages, headers, group, priority)
     if not items:
         return []
-    by_key: dict[str, list[_Item]] = {}
-    for item in items:
-        by_key.setdefault(item.key, []).append(item)
+    by_key = _ByKey(items)
     strategy = strategy_for(session)
-    for keys in _batched(sorted(by_key), chunk_size(strategy)):
+    for keys in _batched(sorted(by_key.first), chunk_size(strategy)):
         _offer_chunk(q, session, strategy, keys, by_key, mode, now)
     wake(q, session, strategy, sum(item.outcome is not Outcome.IGNORED for item in items))
     return [OfferResult(item.key, item.outcome) for item in items]
+
+
+class _ByKey:
+    """A batch's offers by key. Most batches offer each key once: those keep one item per key
+    and build the lists of repeated keys' offers only when there are any (a list per message
+    costs the batch's hot loop more than its insert statement's parameters do)."""
+
+    __slots__ = ("first", "repeated")
+
+    def __init__(self, items: list[_Item]) -> None:
+        self.first: dict[str, _Item] = {}
+        for item in items:
+            self.first.setdefault(item.key, item)
+        self.repeated: dict[str, list[_Item]] = {}
+        if len(self.first) != len(items):
+            for item in items:
+                self.repeated.setdefault(item.key, []).append(item)
+
+    def __getitem__(self, key: str) -> list[_Item]:
+        """The offers of ``key``, in input order."""
+        return self.repeated.get(key) or [self.first[key]]
+
+    def single(self, key: str) -> _Item | None:
+        """The one offer of ``key``, or None when the batch offers it more than once."""
+        offers = self.repeated.get(key)
+        return self.first[key] if offers is None or len(offers) == 1 else None
 
 
 def _fold(
@@ -358,7 +387,7 @@ def _offer_chunk(
     session: Session,
     strategy: Strategy,
     keys: list[str],
-    by_key: dict[str, list[_Item]],
+    by_key: _ByKey,
     mode: OfferMode,
     now: datetime,
 ) -> None:
@@ -369,11 +398,11 @@ def _offer_chunk(
     rows: list[NewRow] = []
     folded: dict[str, list[tuple[_Item, Outcome]]] = {}
     for key in keys:
-        offers = by_key[key]
-        if len(offers) == 1:
-            rows.append(offers[0])
+        single = by_key.single(key)
+        if single is not None:
+            rows.append(single)
         else:
-            state, _, folded[key] = _fold(q, key, offers, None, mode, now)
+            state, _, folded[key] = _fold(q, key, by_key[key], None, mode, now)
             rows.append(_folded_row(key, state))
     notify = _notify_on_insert(q, session, strategy)
     written = strategy.insert_rows(session, t, q.name, q.codec.type_name, now, rows, notify=notify)

@@ -39,6 +39,7 @@ class Strategy(Protocol):
 
 __all__ = [
     "announce",
+    "committed",
     "notify_pending",
     "on_control",
     "parse",
@@ -160,11 +161,22 @@ def _send_notify(session: Session) -> None:
             strategy.notify(session, notes)
 
 
+def committed(table: str, queue: str, count: int) -> None:
+    """Wake this process's waiters for ``count`` messages a statement of no Session has just
+    committed on its own (an autocommit offer; its ``NOTIFY`` rode in the statement)."""
+    _wake({(table, queue): [None, count, count, False, None]})
+
+
 @event.listens_for(Session, "after_commit")
 def _wake_local(session: Session) -> None:
     pending: dict[tuple[str, str], list[Any]] | None = session.info.pop(PENDING, None)
-    if not pending:
-        return
+    if pending:
+        _wake(pending)
+
+
+def _wake(pending: dict[tuple[str, str], list[Any]]) -> None:
+    """Call the control hooks, then the waiters, of what a commit offered (see :func:`announce`
+    for an entry's fields)."""
     with _lock:
         hooks = list(_control_hooks)
         calls: list[tuple[Waiter, str, int | None]] = [
