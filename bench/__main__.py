@@ -26,7 +26,16 @@ from pathlib import Path
 from typing import Any
 
 from ._env import Measure, fresh_database, pg_settings, truncate
-from .workloads import BASE, CONTRACT, OURS, OURS_VARIANTS, SIZES, create_domain
+from .workloads import (
+    BASE,
+    CONTRACT,
+    FLOOR,
+    FLOOR_ENGINE,
+    OURS,
+    OURS_VARIANTS,
+    SIZES,
+    create_domain,
+)
 
 TARGETS = {
     "on": {"E1": 0.90, "E2": 0.60, "C1": 0.85, "C2": 0.60},
@@ -66,7 +75,11 @@ SYSTEM_LABELS = {
     "pgqueuer": "pgqueuer",
     "baseline": "hand-written baseline",
     "contract": "same-contract reference",
+    "floor": "SQLAlchemy floor",
+    "floor_engine": "SQLAlchemy floor (Core connection)",
 }
+#: The floors, and the form of ours each one bounds (see bench/workloads.py).
+FLOORS = {"floor": ("ours", FLOOR), "floor_engine": ("ours_engine", FLOOR_ENGINE)}
 #: Issue 15's targets: ours against the best peer and against the same-contract reference.
 BEST_PEER_TARGET = 1.25
 CONTRACT_TARGET = 0.90
@@ -93,6 +106,7 @@ def systems_for(w: str) -> tuple[dict[str, Any], dict[str, str]]:
     run["baseline"] = BASE[w]
     if w in CONTRACT:
         run["contract"] = CONTRACT[w]
+    run.update({k: forms[w] for k, (_, forms) in FLOORS.items() if w in forms})
     na: dict[str, str] = {}
     for peer in PEERS:
         if peer not in run:
@@ -144,6 +158,17 @@ def compare(w: str, sync: str, summaries: dict[str, Any], na: dict[str, str]) ->
         if "contract" in summaries:
             r = entry[f"{prefix}ratio_to_contract"] = mine / summaries["contract"]["rate_median"]
             entry[f"{prefix}meets_contract_target"] = r >= CONTRACT_TARGET
+    for floor, (form, _) in FLOORS.items():
+        # What SQLAlchemy alone allows: a floor below a target puts that target out of reach of
+        # any library on the same API, whatever its own code does.
+        if floor not in summaries or form not in summaries:
+            continue
+        rate = summaries[floor]["rate_median"]
+        entry[f"{form}_ratio_to_{floor}"] = summaries[form]["rate_median"] / rate
+        if peers:
+            entry[f"{floor}_ratio_to_best_peer"] = rate / peers[best]["rate_median"]
+        if "contract" in summaries:
+            entry[f"{floor}_ratio_to_contract"] = rate / summaries["contract"]["rate_median"]
     return entry
 
 
@@ -266,6 +291,23 @@ def _below(workloads: dict[str, Any], ratios: bool) -> list[str]:
     return ["", *lines] if lines else []
 
 
+def _floors(workloads: dict[str, Any]) -> list[str]:
+    """The SQLAlchemy floors, a line each: the ceiling SQLAlchemy puts on any library."""
+    lines = []
+    for w, e in workloads.items():
+        for floor, (form, _) in FLOORS.items():
+            if floor not in e or form not in e:
+                continue
+            lines.append(
+                f"{w} {SYSTEM_LABELS[floor]} (the reference's SQL through SQLAlchemy, no code of"
+                f" ours): {_cell(w, e, floor)} msg/s, {e[floor]['client_cpu_us_per_msg']:,.0f} µs"
+                f" of client CPU per message; {_ratio(e, floor + '_ratio_to_best_peer')} the best"
+                f" peer, {_ratio(e, floor + '_ratio_to_contract')} the reference;"
+                f" {SYSTEM_LABELS[form]} = {_ratio(e, f'{form}_ratio_to_{floor}')} the floor."
+            )
+    return ["", *lines] if lines else []
+
+
 def table(report: dict[str, Any]) -> str:
     """Throughput (msg/s, median and min to max) or latency (p50 / p95 / p99), then CPU."""
     head = " | ".join(SYSTEM_LABELS[c] for c in COLUMNS)
@@ -292,6 +334,7 @@ def table(report: dict[str, Any]) -> str:
                 )
             lines.append(f"| {ROW_LABELS.get(w, w)} | {cells} | {ratios} |")
         lines += _below(block["workloads"], ratios=True)
+        lines += _floors(block["workloads"])
         e0 = block["workloads"].get("E0")
         if e0:
             lines += [

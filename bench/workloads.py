@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import URL
 from sqlalchemy.orm import sessionmaker
 
@@ -610,6 +611,82 @@ def contract_c2(url: URL, backend: str, n: int, consumers: int = 4, batch: int =
     return _drain(url, backend, n, consumers, take, autocommit=False)
 
 
+# -- the SQLAlchemy floor -----------------------------------------------------------------------
+#
+# The same-contract reference's SQL sent through SQLAlchemy, with no code of ours: what any
+# library that offers on the caller's Session (or on a pooled Core connection) pays before it
+# does anything of its own. Reference -> floor is SQLAlchemy's cost; floor -> ours is ours.
+
+
+#: INSERT_ONE and INSERT_MANY with named parameters, for ``text()``.
+FLOOR_INSERT_ONE = sa.text(
+    "INSERT INTO delayed_queue (queue, key, payload_type, payload, status, scheduled_at,"
+    " scheduled_at_initially, created_at, attempts) VALUES (:queue, :key, 'json', :payload,"
+    " 'pending', :now, :now, :now, 0) ON CONFLICT (queue, key) DO NOTHING RETURNING id"
+).bindparams(sa.bindparam("payload", type_=JSONB))
+FLOOR_INSERT_MANY = sa.text(
+    "INSERT INTO delayed_queue (queue, key, payload_type, payload, status, scheduled_at,"
+    " scheduled_at_initially, created_at, attempts)"
+    " SELECT :queue, r.k, 'json', r.p, 'pending', :now, :now, :now, 0"
+    " FROM jsonb_to_recordset(CAST(:doc AS jsonb)) AS r(k text, p jsonb) ORDER BY r.k"
+    " ON CONFLICT (queue, key) DO NOTHING RETURNING key"
+)
+
+
+def _floor_params(key: str, value: dict[str, Any]) -> dict[str, Any]:
+    return {"queue": QUEUE, "key": key, "payload": value, "now": datetime.now(timezone.utc)}
+
+
+def floor_e1(url: URL, backend: str, n: int) -> Measure:
+    """The reference's ``INSERT ... RETURNING id`` in a Session transaction of its own
+    (``with sessions.begin() as s: s.execute(...)``), on a plain ``sqlalchemy.create_engine``."""
+    engine = sa.create_engine(url)
+    sessions = sessionmaker(engine)
+    with sessions.begin() as s:
+        s.execute(FLOOR_INSERT_ONE, _floor_params("warm-up", payload(-1))).all()
+    with Meter(backend) as m:
+        for i in range(n):
+            with sessions.begin() as s:
+                s.execute(FLOOR_INSERT_ONE, _floor_params(f"e1-{i}", payload(i))).all()
+    engine.dispose()
+    return m.result(n)
+
+
+def floor_e1_connection(url: URL, backend: str, n: int) -> Measure:
+    """The same insert as one autocommit statement on a pooled Core connection per offer: the
+    floor of the Engine form (``q.offer(engine, ...)``)."""
+    engine = sa.create_engine(url, isolation_level="AUTOCOMMIT")
+    with engine.connect() as c:
+        c.execute(FLOOR_INSERT_ONE, _floor_params("warm-up", payload(-1))).all()
+    with Meter(backend) as m:
+        for i in range(n):
+            with engine.connect() as c:
+                c.execute(FLOOR_INSERT_ONE, _floor_params(f"e1-{i}", payload(i))).all()
+    engine.dispose()
+    return m.result(n)
+
+
+def floor_e2(url: URL, backend: str, n: int, batch: int = 1000) -> Measure:
+    """The reference's insert-select per batch, in a Session transaction each."""
+    import json
+
+    engine = sa.create_engine(url)
+    sessions = sessionmaker(engine)
+    with Meter(backend) as m:
+        for start in range(0, n, batch):
+            now = datetime.now(timezone.utc)
+            doc = json.dumps(
+                [{"k": f"e2-{i}", "p": payload(i)} for i in range(start, start + batch)]
+            )
+            with sessions.begin() as s:
+                params = {"queue": QUEUE, "now": now, "doc": doc}
+                written = s.execute(FLOOR_INSERT_MANY, params).all()
+            if len(written) != batch:
+                raise RuntimeError(f"wrote {len(written)} of {batch}")
+    engine.dispose()
+    return m.result(n)
+
+
 #: Our other mode, measured beside ``OURS`` where it applies (``ours_lease`` in results.json).
 OURS_LEASE = {"C1": ours_c1_lease}
 #: The Engine form of an offer, beside the Session form (``ours_engine`` in results.json).
@@ -624,6 +701,9 @@ OURS_VARIANTS: dict[str, dict[str, Callable[..., Measure]]] = {
     "ours_2proc": OURS_PROCESSES,
     "ours_lease_2proc": OURS_LEASE_PROCESSES,
 }
+#: The reference's SQL through SQLAlchemy (``floor``), and the Engine form's (``floor_engine``).
+FLOOR = {"E1": floor_e1, "E2": floor_e2}
+FLOOR_ENGINE = {"E1": floor_e1_connection}
 CONTRACT = {"E1": contract_e1, "E2": contract_e2, "C1": contract_c1, "C2": contract_c2}
 OURS = {"E0": ours_e0, "E1": ours_e1, "E2": ours_e2, "C1": ours_c1, "C2": ours_c2, "L1": ours_l1}
 BASE = {"E0": hand_e0, "E1": base_e1, "E2": base_e2, "C1": base_c1, "C2": base_c2, "L1": base_l1}

@@ -69,3 +69,28 @@ def test_latency_compares_p99_and_keeps_the_in_process_figure_apart() -> None:
     assert e["best_peer"] == "pgqueuer" and e["ours_p99_over_best_peer"] == 0.75
     _, na = systems_for("L1")
     assert set(na) == {"procrastinate", "pgqueuer"} and "in-process" in na["pgqueuer"]
+
+
+def test_the_floors_bound_their_own_form_and_say_how_far_the_peers_are() -> None:
+    systems, _ = systems_for("E1")
+    assert {"floor", "floor_engine", "ours", "ours_engine"} <= set(systems)
+    assert "floor" not in systems_for("C1")[0]
+    summaries = {
+        "ours": _s(900),
+        "ours_engine": _s(1200),
+        "pgqueuer": _s(2000),
+        "procrastinate": _s(700),
+        "baseline": _s(3000),
+        "contract": _s(2000),
+        "floor": _s(1000),
+        "floor_engine": _s(1600),
+    }
+    e = compare("E1", "on", summaries, {})
+    assert e["ours_ratio_to_floor"] == 0.9
+    assert e["ours_engine_ratio_to_floor_engine"] == 0.75
+    assert e["floor_ratio_to_best_peer"] == 0.5
+    assert e["floor_engine_ratio_to_contract"] == 0.8
+    report = {"postgresql": {"on": {"workloads": {"E1": {"messages": 1, **summaries, **e}}}}}
+    text = table(report)
+    assert "E1 SQLAlchemy floor (the reference's SQL" in text
+    assert "0.50\u00d7 the best peer" in text and "sqla_delayedq = 0.90\u00d7 the floor" in text
