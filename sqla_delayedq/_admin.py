@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Delete, Update, and_, delete, func, select, update
+from sqlalchemy import Delete, Update, and_, case, delete, func, or_, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import ColumnElement
 
@@ -253,18 +253,32 @@ class AdminMixin:
         ``priorities=True``).
 
         Messages in flight keep their lease: they are not rescheduled. A message whose lease
-        ran out without an ack has its lost attempt counted, as a take counts it: moving it
-        never gives a message that kills its consumer its attempts back.
+        ran out without an ack is left for the next take to settle when ``at`` is now or
+        earlier: that take counts the lost attempt and buries the message when it used up
+        ``max_attempts``, exactly as without the reschedule. Moved to a later time, its lease
+        ends here and its lost attempt is counted (the take then buries a message whose
+        attempts are used up): moving it never gives a message that kills its consumer its
+        attempts back.
         """
         now = self.now()
         when = now if at is None else require_aware(at, "at")
         t = self.table
-        # In order: the lost attempt is read before the token is cleared (MySQL's SET order).
-        values: list[tuple[Any, Any]] = [
-            (t.c.attempts, t.c.attempts + st.lost_attempt(t.c.lock_token)),
-            (t.c.scheduled_at, when),
-            (t.c.lock_token, None),
-        ]
+        token = t.c.lock_token
+        if when <= now:
+            # The lease that ran out stays for the take's rule (a held token's hold is over).
+            values: list[tuple[Any, Any]] = [
+                (t.c.scheduled_at, when),
+                (token, case((st.is_held(token), None), else_=token)),
+            ]
+            moved = [t.c.scheduled_at == when, or_(token.is_(None), ~st.is_held(token))]
+        else:
+            # In order: the lost attempt is read before the token is cleared (MySQL's SET order).
+            values = [
+                (t.c.attempts, t.c.attempts + st.lost_attempt(token)),
+                (t.c.scheduled_at, when),
+                (token, None),
+            ]
+            moved = [t.c.scheduled_at == when, token.is_(None)]
         if priority is not None:
             if "priority" not in t.c:
                 raise InvalidArgument(f"{t.name} has no priority column")
@@ -278,7 +292,6 @@ class AdminMixin:
             .ordered_values(*values)
         )
         # Run again, the messages this statement moved are left out: they are where it put them.
-        moved = [t.c.scheduled_at == when, t.c.lock_token.is_(None)]
         if priority is not None:
             moved.append(t.c.priority == priority)
         return _past_handlers(session, stmt, stmt.where(~and_(*moved)))

@@ -33,7 +33,7 @@ from ._dialects import (
     transient_as_ours,
 )
 from ._handlers import run_in_savepoint
-from ._rules import after_failure, carries, held_parts, hold, lease_exhausted, lost_lease_error
+from ._rules import after_failure, attempts_used_up, carries, held_parts, hold
 from ._time import Clock, require_aware, require_lease
 from ._types import Envelope, NackOutcome
 from ._wakeup import announce
@@ -284,8 +284,8 @@ class LeasedQueue(abc.ABC, Generic[T]):
             # own time: the row is due at that time, not delivered now (no attempt counted).
             self._settle(session, "release", row.id, row.lock_token, s_at=claimed.prev_held)
             return None
-        if lease_exhausted(claimed.prev_token, row.attempts, self.retry_policy):
-            error = lost_lease_error(row.attempts)
+        error = attempts_used_up(claimed.prev_token, row.attempts, self.retry_policy)
+        if error is not None:
             self._bury(session, row.id, row.lock_token, row.attempts, error, now)
             return None
         try:

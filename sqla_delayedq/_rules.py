@@ -3,7 +3,7 @@ that exists, and what a failed or abandoned attempt does.
 
 Single offers, batch offers and cron write rows through :func:`new_row` and
 :func:`offer_changes`; message and entity queues decide failures through
-:func:`after_failure` and :func:`lease_exhausted`. No I/O here.
+:func:`after_failure` and :func:`attempts_used_up`. No I/O here.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ __all__ = [
     "Failure",
     "OfferRule",
     "after_failure",
+    "attempts_used_up",
     "carries",
     "check_priority",
     "held_due",
     "held_parts",
     "held_prefix",
     "hold",
-    "lease_exhausted",
     "lost_lease_error",
     "lost_token",
     "new_row",
@@ -272,14 +272,27 @@ def after_failure(
 LATEST = datetime.max.replace(tzinfo=timezone.utc)
 
 
-def lease_exhausted(prev_token: str | None, attempts: int, policy: RetryPolicy) -> bool:
-    """A take after lost leases: whether those lost attempts used up ``max_attempts``.
+def attempts_used_up(prev_token: str | None, attempts: int, policy: RetryPolicy) -> str | None:
+    """What a take does with a row it took: None to deliver it, else the error it is buried
+    with, since its ``attempts`` (a lost one the take counted included) left none to deliver.
 
-    A take that follows an expired lease (the lock token was still set) counts the lost attempt
-    (see the take statement), so a message or entity that keeps killing or hanging its consumer
-    ends dead instead of being redelivered forever.
+    A take never hands out an attempt past ``max_attempts``. A take that follows an expired
+    lease (``prev_token``: the lock token was still set) counts the lost attempt (see the take
+    statement), so a message or entity that keeps killing or hanging its consumer ends dead
+    instead of being redelivered forever. A row taken without a lease whose attempts already
+    reach ``max_attempts`` is buried as well, not run once more: a reschedule to a later time
+    counted the attempt its lease lost, or its attempts failed under a higher
+    ``max_attempts`` than the policy's now.
     """
-    return prev_token is not None and attempts >= policy.max_attempts
+    if attempts < policy.max_attempts:
+        return None
+    if prev_token is not None:
+        return lost_lease_error(attempts)
+    return (
+        f"no attempt left: {attempts} attempts were counted before this take and max_attempts "
+        f"is {policy.max_attempts} (a lease that ran out, counted when the message was "
+        "rescheduled, or a lower max_attempts than when its attempts failed)"
+    )
 
 
 def lost_lease_error(attempts: int) -> str:

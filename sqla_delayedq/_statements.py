@@ -393,7 +393,7 @@ def take_values(shape: Shape, lease_until: Any, prefix: Any) -> list[tuple[Any, 
     """SET clauses of a take, in order: MySQL evaluates them left to right on updated values.
 
     A take that follows an expired lease (the lock token is still set) counts the lost attempt
-    (see :func:`~sqla_delayedq._rules.lease_exhausted`), so a row that keeps killing or hanging
+    (see :func:`~sqla_delayedq._rules.attempts_used_up`), so a row that keeps killing or hanging
     its consumers ends up dead.
     """
     return [

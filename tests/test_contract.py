@@ -335,18 +335,20 @@ def test_drop_reschedule_and_drop_all(backend, make_queue, clock):
 
 def test_process_now_counts_the_attempt_an_expired_lease_lost(backend, make_queue, clock):
     """A consumer took the message and died; an operator made it due now (or later) before
-    another take: the lost attempt counts as the take counts it, so clicking "process now"
+    another take: the lost attempt counts as the take counts it (process now leaves it to the
+    take, which sees a redelivery; a move to later counts it at once), so clicking "process now"
     never hands a message that kills its consumer its attempts back."""
     q = make_queue(lease=timedelta(seconds=10), retry=ExponentialBackoff(max_attempts=3))
     with backend.Session() as s, s.begin():
         q.offer(s, "crasher", {"n": 1})
-    attempts = []
+    attempts, deliveries = [], []
     for move in ("now", "later", None, None):
         with backend.Session() as s, s.begin():
             env = q.try_poll(s)  # taken, then the consumer "crashes": no ack, no nack
             if env is None:
                 break
             attempts.append(env.attempt)
+            deliveries.append(env.delivery)
         clock.advance(11)
         with backend.Session() as s, s.begin():
             if move == "now":
@@ -355,11 +357,80 @@ def test_process_now_counts_the_attempt_an_expired_lease_lost(backend, make_queu
                 later = clock() + timedelta(days=1)
                 assert q.reschedule(s, MessageFilter(keys=("crasher",)), later) == 1
                 clock.advance(timedelta(days=1))
-            assert q.get(s, "crasher").attempts == len(attempts) - (move is None)
+            assert q.get(s, "crasher").attempts == len(attempts) - (move != "later")
     assert attempts == [1, 2, 3]
+    assert deliveries == [Delivery.FIRST, Delivery.REDELIVERY, Delivery.FIRST]
     with backend.Session() as s:
         info = q.get(s, "crasher")
         assert info.status == "dead" and info.attempts == 3
+
+
+def _crash_until_dead(backend, q, clock, key, press: str | None) -> list[tuple[int, Delivery]]:
+    """Take ``key`` and "crash" (no settle) until no take hands it out; after the second lost
+    lease an operator presses "process now" (``press="now"``) or moves it a day later."""
+    deliveries = []
+    for _ in range(5):
+        with backend.Session() as s, s.begin():
+            env = q.try_poll(s)
+            if env is None:
+                break
+            deliveries.append((env.attempt, env.delivery))
+        clock.advance(11)
+        if len(deliveries) == 2 and press is not None:
+            with backend.Session() as s, s.begin():
+                at = None if press == "now" else clock() + timedelta(days=1)
+                assert q.reschedule(s, key, at) == 1
+            if press == "later":
+                clock.advance(timedelta(days=1))
+    return deliveries
+
+
+@pytest.mark.parametrize("press", ["now", "later"])
+def test_a_message_whose_lost_lease_used_up_its_attempts_is_buried_whether_rescheduled_or_not(
+    backend, make_queue, clock, press
+):
+    """Its consumer died on its last attempt: the take buries it ("lease ran out") instead of
+    delivering it again. Process now, or a move to later, before that take changes nothing of
+    it: never an attempt past max_attempts, the same status, attempts and error."""
+    policy = dict(lease=timedelta(seconds=10), retry=ExponentialBackoff(max_attempts=2))
+    alone, pressed_q = make_queue("alone", **policy), make_queue("pressed", **policy)
+    with backend.Session() as s, s.begin():
+        alone.offer(s, "k", {"n": 1})
+        pressed_q.offer(s, "k", {"n": 1})
+    untouched = _crash_until_dead(backend, alone, clock, "k", None)
+    pressed = _crash_until_dead(backend, pressed_q, clock, "k", press)
+    assert untouched == [(1, Delivery.FIRST), (2, Delivery.REDELIVERY)]
+    assert pressed == untouched
+    with backend.Session() as s:
+        expected = alone.get(s, "k")
+        got = pressed_q.get(s, "k")
+    assert expected.status == "dead" and expected.attempts == 2
+    assert "lease ran out without an ack on 2 attempts" in expected.last_error
+    assert (got.status, got.attempts) == (expected.status, expected.attempts)
+    if press == "now":  # the same take buried it, for the same reason
+        assert got.last_error == expected.last_error
+    else:
+        assert got.last_error.startswith("no attempt left: 2 attempts were counted")
+
+
+def test_a_take_never_hands_out_an_attempt_past_max_attempts(backend, make_queue, clock):
+    """A message that failed more often than a queue's max_attempts allows (it failed under a
+    higher one) is buried by that queue's take, not run once more."""
+    generous = make_queue(retry=ExponentialBackoff(max_attempts=5))
+    strict = make_queue(retry=ExponentialBackoff(max_attempts=2))
+    with backend.Session() as s, s.begin():
+        generous.offer(s, "k", {"n": 1})
+    for _ in range(2):
+        with backend.Session() as s, s.begin():
+            env = generous.try_poll(s)
+            assert generous.nack(s, env, "boom") is NackOutcome.RETRY_SCHEDULED
+        clock.advance(timedelta(days=1))
+    with backend.Session() as s, s.begin():
+        assert strict.try_poll(s) is None
+    with backend.Session() as s:
+        info = strict.get(s, "k")
+    assert info.status == "dead" and info.attempts == 2
+    assert info.last_error.startswith("no attempt left: 2 attempts were counted")
 
 
 def test_retention_keeps_acked_messages_as_done_then_prunes(backend, make_queue, clock):

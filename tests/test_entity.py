@@ -624,6 +624,33 @@ def test_process_now_moves_waiting_rows_to_now_only(
     assert row(db.Session, idle).queue_next_attempt_at is None
 
 
+def test_process_now_leaves_a_lost_lease_to_the_take_that_fails_it_after_its_last_attempt(
+    db: Backend, clock: FakeClock
+) -> None:
+    """As for messages (docs/retries.md): its consumer died on its last attempt; process now
+    does not touch it (it is due already) and the take marks it failed, undelivered."""
+    queue = EntityQueue(
+        Order,
+        clock=clock,
+        retry=dataclasses.replace(NO_JITTER, max_attempts=2),
+        lease=timedelta(minutes=1),
+    )
+    [order_id] = add_orders(db.Session, 1)
+    with db.Session() as s, s.begin():
+        queue.schedule(s, Order.id == order_id)
+    attempts = []
+    for _ in range(3):
+        with db.Session() as s, s.begin():
+            attempts += [e.attempt for e in queue.try_poll_many(s, 1)]
+        clock.advance(timedelta(minutes=1))
+        with db.Session() as s, s.begin():
+            assert queue.process_now(s, Order.id == order_id) == 0
+    assert attempts == [1, 2]
+    order = row(db.Session, order_id)
+    assert order.queue_status == EntityStatus.FAILED and order.queue_attempts == 2
+    assert "lease ran out without an ack on 2 attempts" in (order.queue_last_error or "")
+
+
 def test_schedule_by_filter_starts_a_fresh_run_and_resets_the_lease(
     db: Backend, queue: EntityQueue[Order], clock: FakeClock
 ) -> None:
