@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -39,7 +40,7 @@ from sqlalchemy.pool import StaticPool
 from ._consumer import BaseWorker, WorkerHooks
 from ._engine import create_engine
 from ._queue import DelayedQueue
-from ._time import require_aware
+from ._time import LONGEST, require_aware, require_duration
 from ._types import Envelope, MessageFilter, MessageInfo, NackOutcome, State
 from ._wakeup import subscribe
 from .errors import InvalidArgument
@@ -95,13 +96,39 @@ class ManualClock:
         return f"ManualClock({self().isoformat()})"
 
     def advance(self, delta: timedelta | float) -> datetime:
-        """Move forward by ``delta`` (a ``timedelta`` or seconds); returns the new time."""
+        """Move forward by ``delta`` (a ``timedelta`` or seconds, at most 365,000 days like
+        every duration the library takes); returns the new time.
+
+        A step that is not a duration, is longer, or would move the clock past the last time a
+        datetime holds (year 9999) is an :class:`~sqla_delayedq.InvalidArgument` and leaves
+        the clock where it was; use :meth:`set` to go to a given time.
+        """
         if not isinstance(delta, timedelta):
+            if isinstance(delta, bool) or not isinstance(delta, (int, float)):
+                raise InvalidArgument(
+                    f"delta must be a timedelta or seconds, got {type(delta).__name__}"
+                )
+            if not math.isfinite(delta):
+                raise InvalidArgument(f"delta must be a finite number of seconds, got {delta}")
+            if delta < 0:
+                raise InvalidArgument(f"a clock only moves forward; got {delta} seconds")
+            if delta > LONGEST.total_seconds():
+                raise InvalidArgument(
+                    f"delta must be at most {LONGEST.total_seconds():.0f} seconds "
+                    f"({LONGEST.days} days), got {delta}"
+                )
             delta = timedelta(seconds=delta)
         if delta < timedelta(0):
             raise InvalidArgument(f"a clock only moves forward; got {delta}")
+        require_duration(delta, "delta", allow_zero=True, most=LONGEST)
         with self._lock:
-            self._now += delta
+            try:
+                self._now += delta
+            except OverflowError:
+                raise InvalidArgument(
+                    f"advancing {self._now.isoformat()} by {delta} passes the last time a "
+                    "datetime holds (9999-12-31)"
+                ) from None
             return self._now
 
     def set(self, when: datetime) -> datetime:

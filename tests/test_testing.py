@@ -12,7 +12,7 @@ import asyncio
 import subprocess
 import sys
 import textwrap
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -20,9 +20,11 @@ from typing import Any
 import pytest
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from sqla_delayedq import DelayedQueue, ExponentialBackoff, MessageFilter, State
+from sqla_delayedq import DelayedQueue, ExponentialBackoff, InvalidArgument, MessageFilter, State
+from sqla_delayedq._time import LONGEST
 from sqla_delayedq.aio import AsyncWorker
 from sqla_delayedq.testing import (
+    DEFAULT_START,
     DrainLimitExceeded,
     HandlerFailed,
     ManualClock,
@@ -71,6 +73,31 @@ def test_the_clock_moves_only_forward_and_lends_itself_to_existing_queues() -> N
     with clock.use(app_queue):
         assert app_queue.now() == clock()
     assert app_queue.now() != clock()
+
+
+@pytest.mark.parametrize(
+    "delta",
+    [timedelta.max, LONGEST + timedelta(microseconds=1), 1e20, float("inf"), float("nan"), "5"],
+)
+def test_the_clock_refuses_a_step_that_is_no_duration_or_too_long(delta: Any) -> None:
+    """A clear InvalidArgument, not a raw OverflowError (or ValueError, TypeError), and the
+    clock stays where it was."""
+    clock = ManualClock()
+    start = clock()
+    with pytest.raises(InvalidArgument, match="delta must be"):
+        clock.advance(delta)
+    assert clock() == start
+
+
+def test_the_clock_refuses_a_step_past_the_last_time_a_datetime_holds() -> None:
+    clock = ManualClock()
+    assert clock.advance(LONGEST) == DEFAULT_START + LONGEST  # about 1,000 years: fine
+    clock.set(datetime(9500, 1, 1, tzinfo=timezone.utc))
+    with pytest.raises(InvalidArgument, match="passes the last time a datetime holds"):
+        clock.advance(LONGEST)
+    assert clock() == datetime(9500, 1, 1, tzinfo=timezone.utc)
+    with pytest.raises(InvalidArgument, match="forward"):
+        clock.advance(-1e20)
 
 
 def test_the_plugin_loads_by_entry_point_in_a_users_project(tmp_path: Path) -> None:
