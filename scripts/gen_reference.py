@@ -37,6 +37,7 @@ import sqla_delayedq.worker  # noqa: E402
 EXTRA = [
     ("sqla_delayedq.worker", "Worker"),
     ("sqla_delayedq.worker", "WorkerHooks"),
+    ("sqla_delayedq.worker", "QueueName"),
     ("sqla_delayedq.aio", "AsyncQueue"),
     ("sqla_delayedq.aio", "AsyncWorker"),
     ("sqla_delayedq.monitor", "monitor_worker"),

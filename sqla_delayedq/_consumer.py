@@ -16,6 +16,7 @@ ack/nack/release/extend by lock token, transactional ``process_one``).
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import math
 import threading
@@ -33,7 +34,7 @@ from ._dialects import TAKE_ONLY, Listener, is_transient, strategy_class
 from ._handlers import is_cancellation, is_interruption
 from ._leases import Ahead, LeasedQueue, Polled, TakeUnsure, leases_apart
 from ._time import Clock, require_duration, require_lease
-from ._types import Envelope, NackOutcome
+from ._types import Envelope, NackOutcome, QueueName
 from ._wakeup import Wake
 from .errors import InvalidArgument, WorkerError
 
@@ -131,6 +132,10 @@ class WorkerHooks:
     subclasses too) except ``KeyboardInterrupt`` and a cancellation, which stop the worker as
     they would anywhere else. On :class:`~sqla_delayedq.aio.AsyncWorker` a hook may be an
     ``async def`` (it is awaited); :class:`~sqla_delayedq.worker.Worker` refuses those.
+
+    ``queue`` is the queue's name, a :class:`~sqla_delayedq.worker.QueueName`: a ``str`` that
+    also says the queue's table (``queue.table``), for a worker that serves queues of one name
+    in two tables (one per tenant, in two schemas).
     """
 
     def processed(self, queue: str, envelope: Envelope[Any], seconds: float) -> HookResult:
@@ -379,6 +384,13 @@ class Registration:
     handler_timeout: timedelta | None
     #: Messages per take for batch handlers (``handler(envelopes)``); None for one at a time.
     batch: int | None = None
+
+    @property
+    def queue(self) -> QueueName:
+        """The queue's name as hooks get it: with its table, so two tables' queues of one
+        name (tenants in two schemas) are told apart."""
+        src = self.source
+        return QueueName(src.name, src.wake_key, src.shape.table.schema)
 
 
 def require_option(
@@ -697,9 +709,10 @@ class BaseWorker(Generic[S]):
     def _tables(self) -> list[str]:
         return sorted({r.source.wake_key for r in self._registrations})
 
-    def _wake(self, queue: str | None, count: int | None) -> None:
-        """``count`` messages were offered to ``queue``: wake as many idle consumers as it
-        takes to take them (every one when the count is unknown). From any thread."""
+    def _wake(self, table: str | None, queue: str | None, count: int | None) -> None:
+        """``count`` messages were offered to ``queue`` of ``table`` (a table key): wake as
+        many idle consumers as it takes to take them (every one when the count is unknown).
+        From any thread."""
         rt = self._rt
         if rt is None:
             return
@@ -708,9 +721,18 @@ class BaseWorker(Generic[S]):
             controls.invalidate()
             rt.notify(queue, None)
             return
-        sizes = [self._take_size(r) for r in self._registrations if r.source.name == queue]
-        if sizes:  # another queue of the same table is not ours to take
+        sizes = [
+            self._take_size(r)
+            for r in self._registrations
+            if r.source.name == queue and r.source.wake_key == table
+        ]
+        if sizes:  # another queue of the table, or a queue of that name elsewhere: not ours
             rt.notify(queue, -(-count // max(sizes)))
+
+    def _waiter(self, table: str) -> Callable[[str, int | None], None]:
+        """What :func:`~sqla_delayedq._wakeup.subscribe` calls after a local commit that
+        offered to ``table``."""
+        return functools.partial(self._wake, table)
 
     def _take_size(self, reg: Registration) -> int:
         """Messages one take of ``reg`` asks for."""
@@ -887,7 +909,7 @@ class BaseWorker(Generic[S]):
         return None if when is None else max(0.0, (when - reg.source.now()).total_seconds())
 
     def _observe(self, reg: Registration, *envs: Envelope[Any]) -> None:
-        name, hooks, now = reg.source.name, self.hooks, reg.source.now()
+        name, hooks, now = reg.queue, self.hooks, reg.source.now()
         for env in envs:
             if env.redelivered:
                 hooks.redelivered(name, env)
@@ -1065,7 +1087,7 @@ class BaseWorker(Generic[S]):
         elapsed = time.monotonic() - started
         if acked == len(envs):
             for env in envs:
-                self.hooks.processed(reg.source.name, env, elapsed)
+                self.hooks.processed(reg.queue, env, elapsed)
         else:
             log.warning(
                 "%d ack(s) on %s refused: the lease ran out, or an offer or schedule started a "
@@ -1127,7 +1149,7 @@ class BaseWorker(Generic[S]):
         for env in self._in_flight.current(reg, envs):
             outcome = self._settle(reg, env, "nack", error)
             log_failure(reg.source.name, env.key, env.attempt, error, outcome)
-            self.hooks.failed(reg.source.name, env, error, outcome or NackOutcome.STALE)
+            self.hooks.failed(reg.queue, env, error, outcome or NackOutcome.STALE)
 
     def _settle(
         self,
@@ -1265,10 +1287,10 @@ class BaseWorker(Generic[S]):
         envelope, error, outcome = result
         # Hooks run after the commit, so they report what the database now holds.
         if error is None:
-            self.hooks.processed(reg.source.name, envelope, time.monotonic() - started)
+            self.hooks.processed(reg.queue, envelope, time.monotonic() - started)
         else:
             log_failure(reg.source.name, envelope.key, envelope.attempt, error, outcome)
-            self.hooks.failed(reg.source.name, envelope, error, outcome or NackOutcome.STALE)
+            self.hooks.failed(reg.queue, envelope, error, outcome or NackOutcome.STALE)
         return self._after_one(reg, ahead)
 
     def _record_bailed(self, reg: Registration, env: Envelope[Any], error: BaseException) -> None:
@@ -1276,7 +1298,7 @@ class BaseWorker(Generic[S]):
         (``DelayedQueue.record_failure``, ``EntityQueue.record_failure``)."""
         outcome = self._settle(reg, env, "record", error)
         log_failure(reg.source.name, env.key, env.attempt, error, outcome)
-        self.hooks.failed(reg.source.name, env, error, outcome or NackOutcome.STALE)
+        self.hooks.failed(reg.queue, env, error, outcome or NackOutcome.STALE)
 
     def _after_one(self, reg: Registration, ahead: Ahead) -> Taken:
         """After a transactional message: take again at once unless its take saw that nothing

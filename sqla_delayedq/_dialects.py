@@ -19,7 +19,7 @@ import logging
 import secrets
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from json.encoder import encode_basestring_ascii
@@ -200,8 +200,8 @@ class Strategy(abc.ABC):
 
     @classmethod
     def listener(cls, url: URL, tables: Sequence[str], wake: Wake) -> Listener | None:
-        """A listener that calls ``wake(queue, count)`` when another process offers to
-        ``tables``."""
+        """A listener that calls ``wake(table, queue, count)`` when another process offers to
+        one of ``tables`` (table keys)."""
         return None
 
     @staticmethod
@@ -546,7 +546,7 @@ class PostgreSQLStrategy(Strategy):
 
     @classmethod
     def listener(cls, url: URL, tables: Sequence[str], wake: Wake) -> Listener | None:
-        return PgListener(url, [cls.channel(t) for t in tables], wake)
+        return PgListener(url, {cls.channel(t): t for t in tables}, wake)
 
     def insert_rows(
         self,
@@ -891,17 +891,19 @@ class SQLiteStrategy(Strategy):
 
 
 class PgListener(Listener):
-    """A daemon thread that ``LISTEN``s on channels and calls ``wake(queue, count)`` per
-    notification (see :mod:`._wakeup` for the payload).
+    """A daemon thread that ``LISTEN``s on the channels of tables (``channels``: channel ->
+    table key) and calls ``wake(table, queue, count)`` per notification (see :mod:`._wakeup`
+    for the payload).
 
     A notification only wakes pollers early; polling stays authoritative. The listener
     reconnects with backoff when its connection drops, and wakes everyone after reconnecting in
     case notifications were lost meanwhile.
     """
 
-    def __init__(self, url: URL, channels: list[str], wake: Wake):
+    def __init__(self, url: URL, channels: Mapping[str, str], wake: Wake):
         self.url = url
-        self.channels = sorted(set(channels))
+        self.tables = dict(channels)
+        self.channels = sorted(self.tables)
         self.wake = wake
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="delayedq-listen", daemon=True)
@@ -935,11 +937,11 @@ class PgListener(Listener):
                 continue
             backoff = 0.1
             self.connected.set()
-            self.wake(None, None)  # anything sent while we were away: wake everyone
+            self.wake(None, None, None)  # anything sent while we were away: wake everyone
             try:
                 while not self._stop.is_set():
                     for note in conn.notifies(timeout=0.5):
-                        self.wake(*parse_wake(note.payload))
+                        self.wake(self.tables.get(note.channel), *parse_wake(note.payload))
             except Exception as exc:
                 if not self._stop.is_set():
                     log.warning("LISTEN connection lost (%s); reconnecting", exc)

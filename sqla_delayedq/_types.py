@@ -22,6 +22,7 @@ __all__ = [
     "OfferResult",
     "Outcome",
     "QueueCounts",
+    "QueueName",
     "State",
 ]
 
@@ -103,6 +104,25 @@ class State(enum.Enum):
         except ValueError:
             names = ", ".join(s.value for s in cls)
             raise InvalidArgument(f"unknown state {state!r}; use one of: {names}") from None
+
+
+class QueueName(str):
+    """A queue's name as a worker gives it to its hooks: the name itself (it compares, hashes,
+    formats and prints as the plain ``str``), which also says which table the queue lives in.
+
+    Two tables may hold queues of the same name (one table per tenant, in two schemas);
+    ``table`` tells them apart: the table's key, ``schema.name`` for a table in a schema, else
+    its bare name (as queue controls and wake-ups key it). ``schema`` is the schema, or None.
+    """
+
+    table: str
+    schema: str | None
+
+    def __new__(cls, name: str, table: str = "", schema: str | None = None) -> QueueName:
+        self = super().__new__(cls, name)
+        self.table = table
+        self.schema = schema
+        return self
 
 
 @dataclass(frozen=True)

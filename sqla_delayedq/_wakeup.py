@@ -53,8 +53,10 @@ PENDING = "sqla_delayedq.wakeups"
 #: ``waiter(queue, count)``: ``count`` messages were offered to ``queue`` (None: its controls
 #: changed).
 Waiter = Callable[[str, int | None], None]
-#: ``wake(queue, count)`` from a listener; ``count`` None: wake every idle consumer.
-Wake = Callable[[str | None, int | None], None]
+#: ``wake(table, queue, count)`` from a listener: ``count`` messages offered to ``queue`` of
+#: ``table`` (its key, see :func:`~sqla_delayedq.models.table_key`); ``count`` None: wake every
+#: idle consumer.
+Wake = Callable[[str | None, str | None, int | None], None]
 _SEP = "\x1f"
 _CONTROL = "!"
 _waiters: dict[str, set[Waiter]] = {}

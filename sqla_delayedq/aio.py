@@ -494,7 +494,7 @@ class AsyncWorker(BaseWorker[async_sessionmaker[AsyncSession]]):
         if install_signal_handlers:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_stop)
-        unsubscribe = [subscribe(t, self._wake) for t in self._tables()]
+        unsubscribe = [subscribe(t, self._waiter(t)) for t in self._tables()]
         bind = self.sessions.kw.get("bind")
         listener = self._listener(bind, self._wake)
         side = [

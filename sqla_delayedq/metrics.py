@@ -53,9 +53,9 @@ from ._cli_stats import STATES, QueueStats, queue_stats
 from ._codec import check_strings
 from ._consumer import HOOKS
 from ._handlers import check_callback, is_async_callable, is_interruption
-from ._types import Envelope, NackOutcome, OfferMode, OfferResult
+from ._types import Envelope, NackOutcome, OfferMode, OfferResult, QueueName
 from .errors import InvalidArgument
-from .models import DelayedMessage
+from .models import DelayedMessage, table_key
 from .worker import Handler, WorkerHooks
 
 if TYPE_CHECKING:
@@ -103,6 +103,26 @@ def _version() -> str:
     from . import __version__
 
     return __version__
+
+
+def _table_label(table: Table) -> str:
+    """The ``table`` label of a message table's metrics: ``schema.name`` for a table in a
+    schema; empty (no label) for one without a schema, whose series are what they were before
+    tables in schemas had a label of their own."""
+    return table_key(table) if table.schema else ""
+
+
+def _queue_table(queue: str) -> str:
+    """The ``table`` label of a queue a worker reports, as :func:`_table_label` (``queue`` is
+    a :class:`~sqla_delayedq.worker.QueueName`; a plain ``str`` says no table: empty)."""
+    return queue.table if isinstance(queue, QueueName) and queue.schema else ""
+
+
+def _attributes(queue: str, **more: str) -> dict[str, str]:
+    """OpenTelemetry attributes of a queue: ``queue``, and ``table`` for a table in a schema
+    (absent otherwise, as before)."""
+    table = _queue_table(queue)
+    return {"queue": queue, **({"table": table} if table else {}), **more}
 
 
 # -- worker hooks ------------------------------------------------------------------------------
@@ -188,13 +208,58 @@ class CompositeHooks(WorkerHooks):
             _guarded(h.db_error)(error)
 
 
+class _Families:
+    """Prometheus metrics whose series of a table in a schema carry a ``table`` label and the
+    others do not: each metric is two of prometheus_client's (one without the label, one with
+    it), collected as one family. So a table without a schema exposes exactly the series it
+    did before tables in schemas had labels of their own.
+    """
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[Any, Any]] = []
+
+    def add(
+        self, kind: Any, name: str, doc: str, labels: Sequence[str], **kw: Any
+    ) -> tuple[Callable[..., Any], Any]:
+        """A metric named ``name`` with ``labels`` (``queue`` first), and its twin with
+        ``table`` after ``queue``. Returns ``series(queue, *values)``, which picks the series
+        of a queue, and the metric without the label."""
+        plain = kind(name, doc, list(labels), registry=None, **kw)
+        placed = [labels[0], "table", *labels[1:]]
+        qualified = kind(name, doc, placed, registry=None, **kw)
+        self.pairs.append((plain, qualified))
+
+        def series(queue: str, *values: str) -> Any:
+            table = _queue_table(queue)
+            if table:
+                return qualified.labels(queue, table, *values)
+            return plain.labels(queue, *values)
+
+        return series, plain
+
+    def describe(self) -> Iterator[Metric]:
+        for plain, _ in self.pairs:
+            yield from plain.describe()
+
+    def collect(self) -> Iterator[Metric]:
+        for plain, qualified in self.pairs:
+            [family] = plain.collect()
+            [more] = qualified.collect()
+            family.samples = [*family.samples, *more.samples]
+            yield family
+
+
 class PrometheusHooks(WorkerHooks):
-    """Worker events as Prometheus counters and histograms (labels: ``queue``, ``outcome``).
+    """Worker events as Prometheus counters and histograms (labels: ``queue``, ``outcome``,
+    and ``table`` for a queue whose table is in a schema).
 
     ``delayedq_processed_total``, ``delayedq_failed_total``, ``delayedq_dead_total``,
     ``delayedq_redelivered_total``, ``delayedq_db_errors_total{error}``,
     ``delayedq_handler_duration_seconds{queue,outcome}`` (outcome ``ok`` or ``failed``) and
-    ``delayedq_pickup_lag_seconds{queue}``.
+    ``delayedq_pickup_lag_seconds{queue}``. The series of a queue whose table is in a schema
+    also carry ``table="schema.name"``, so a worker serving the same queue name in two tenants'
+    tables reports each apart; a table without a schema has no ``table`` label (its series are
+    those of before).
     """
 
     def __init__(
@@ -204,27 +269,42 @@ class PrometheusHooks(WorkerHooks):
 
         reg = REGISTRY if registry is None else registry
         self._clock = _HandlerClock()
+        families = _Families()
         q = ["queue"]
-        self.processed_total = Counter(
-            "processed", "Messages handled and acknowledged", q, namespace=namespace, registry=reg
+
+        def metric(
+            kind: Any, name: str, doc: str, labels: list[str], **kw: Any
+        ) -> tuple[Callable[..., Any], Any]:
+            return families.add(kind, name, doc, labels, namespace=namespace, **kw)
+
+        # The attributes ending in _total, _duration and _lag: the series without ``table``.
+        self._processed, self.processed_total = metric(
+            Counter, "processed", "Messages handled and acknowledged", q
         )
-        self.failed_total = Counter(
-            "failed", "Handler failures (retried or dead)", q, namespace=namespace, registry=reg
+        self._failed, self.failed_total = metric(
+            Counter, "failed", "Handler failures (retried or dead)", q
         )
-        self.dead_total = Counter(
-            "dead",
-            "Messages that died after their last attempt",
+        self._dead, self.dead_total = metric(
+            Counter, "dead", "Messages that died after their last attempt", q
+        )
+        self._redelivered, self.redelivered_total = metric(
+            Counter, "redelivered", "Messages taken again after a lease ran out", q
+        )
+        self._duration, self.handler_duration = metric(
+            Histogram,
+            "handler_duration_seconds",
+            "Handler run time",
+            ["queue", "outcome"],
+            buckets=DURATION_BUCKETS,
+        )
+        self._lag, self.pickup_lag = metric(
+            Histogram,
+            "pickup_lag_seconds",
+            "How late messages were taken after they became due",
             q,
-            namespace=namespace,
-            registry=reg,
+            buckets=LAG_BUCKETS,
         )
-        self.redelivered_total = Counter(
-            "redelivered",
-            "Messages taken again after a lease ran out",
-            q,
-            namespace=namespace,
-            registry=reg,
-        )
+        reg.register(families)
         self.db_errors_total = Counter(
             "db_errors",
             "Database errors in the worker (retried)",
@@ -232,48 +312,32 @@ class PrometheusHooks(WorkerHooks):
             namespace=namespace,
             registry=reg,
         )
-        self.handler_duration = Histogram(
-            "handler_duration_seconds",
-            "Handler run time",
-            ["queue", "outcome"],
-            namespace=namespace,
-            registry=reg,
-            buckets=DURATION_BUCKETS,
-        )
-        self.pickup_lag = Histogram(
-            "pickup_lag_seconds",
-            "How late messages were taken after they became due",
-            q,
-            namespace=namespace,
-            registry=reg,
-            buckets=LAG_BUCKETS,
-        )
 
     @_guarded
     def processed(self, queue: str, envelope: Envelope[Any], seconds: float) -> None:
         self._clock.stop()
-        self.processed_total.labels(queue).inc()
-        self.handler_duration.labels(queue, "ok").observe(seconds)
+        self._processed(queue).inc()
+        self._duration(queue, "ok").observe(seconds)
 
     @_guarded
     def failed(
         self, queue: str, envelope: Envelope[Any], error: BaseException, outcome: NackOutcome
     ) -> None:
         seconds = self._clock.stop()
-        self.failed_total.labels(queue).inc()
+        self._failed(queue).inc()
         if outcome is NackOutcome.DEAD:
-            self.dead_total.labels(queue).inc()
+            self._dead(queue).inc()
         if seconds is not None:
-            self.handler_duration.labels(queue, "failed").observe(seconds)
+            self._duration(queue, "failed").observe(seconds)
 
     @_guarded
     def redelivered(self, queue: str, envelope: Envelope[Any]) -> None:
-        self.redelivered_total.labels(queue).inc()
+        self._redelivered(queue).inc()
 
     @_guarded
     def lag(self, queue: str, seconds: float) -> None:
         self._clock.start()
-        self.pickup_lag.labels(queue).observe(max(0.0, seconds))
+        self._lag(queue).observe(max(0.0, seconds))
 
     @_guarded
     def db_error(self, error: BaseException) -> None:
@@ -281,7 +345,8 @@ class PrometheusHooks(WorkerHooks):
 
 
 class OtelHooks(WorkerHooks):
-    """Worker events as OpenTelemetry instruments (attributes: ``queue``, ``outcome``).
+    """Worker events as OpenTelemetry instruments (attributes: ``queue``, ``outcome``, and
+    ``table``, ``schema.name``, for a queue whose table is in a schema).
 
     Counters ``delayedq.messages.processed``, ``.failed``, ``.dead``, ``.redelivered`` and
     ``delayedq.db.errors``; histograms ``delayedq.handler.duration`` and ``delayedq.pickup.lag``
@@ -307,28 +372,28 @@ class OtelHooks(WorkerHooks):
     @_guarded
     def processed(self, queue: str, envelope: Envelope[Any], seconds: float) -> None:
         self._clock.stop()
-        self.processed_counter.add(1, {"queue": queue})
-        self.duration.record(seconds, {"queue": queue, "outcome": "ok"})
+        self.processed_counter.add(1, _attributes(queue))
+        self.duration.record(seconds, _attributes(queue, outcome="ok"))
 
     @_guarded
     def failed(
         self, queue: str, envelope: Envelope[Any], error: BaseException, outcome: NackOutcome
     ) -> None:
         seconds = self._clock.stop()
-        self.failed_counter.add(1, {"queue": queue})
+        self.failed_counter.add(1, _attributes(queue))
         if outcome is NackOutcome.DEAD:
-            self.dead_counter.add(1, {"queue": queue})
+            self.dead_counter.add(1, _attributes(queue))
         if seconds is not None:
-            self.duration.record(seconds, {"queue": queue, "outcome": "failed"})
+            self.duration.record(seconds, _attributes(queue, outcome="failed"))
 
     @_guarded
     def redelivered(self, queue: str, envelope: Envelope[Any]) -> None:
-        self.redelivered_counter.add(1, {"queue": queue})
+        self.redelivered_counter.add(1, _attributes(queue))
 
     @_guarded
     def lag(self, queue: str, seconds: float) -> None:
         self._clock.start()
-        self.pickup_lag.record(max(0.0, seconds), {"queue": queue})
+        self.pickup_lag.record(max(0.0, seconds), _attributes(queue))
 
     @_guarded
     def db_error(self, error: BaseException) -> None:
@@ -412,6 +477,34 @@ class StatsCache:
             return list(self._stats), self._ok, self._seconds
 
 
+def _caches(
+    sessions: SessionFactory | StatsCache | Sequence[StatsCache],
+    table: Table | None,
+    queues: Sequence[str] | None,
+    min_interval: float,
+    at_most: int | None,
+) -> list[StatsCache]:
+    """The caches a collector reads: those given, or one it makes. Each table once, or its
+    series would be reported twice."""
+    if isinstance(sessions, StatsCache):
+        caches = [sessions]
+    elif isinstance(sessions, Sequence):
+        caches = list(sessions)
+        if not caches or not all(isinstance(c, StatsCache) for c in caches):
+            raise InvalidArgument("give a sessionmaker, a StatsCache or a list of StatsCaches")
+    else:
+        return [
+            StatsCache(
+                sessions, table=table, queues=queues, min_interval=min_interval, at_most=at_most
+            )
+        ]
+    keys = [table_key(c.table) for c in caches]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise InvalidArgument(f"two StatsCaches read table {twice[0]!r}: give each table once")
+    return caches
+
+
 class QueueStatsCollector:
     """A Prometheus collector for queue depth and lag, read from the table at scrape time.
 
@@ -420,11 +513,18 @@ class QueueStatsCollector:
     ``delayedq_oldest_due_lag_seconds{queue}`` (0 when nothing is due), ``delayedq_stats_up`` (0
     when the last read failed) and ``delayedq_stats_duration_seconds``. After a failed read the
     last good values are kept. See :class:`StatsCache` for ``min_interval`` and ``at_most``.
+
+    The series of a table in a schema also carry ``table="schema.name"``; a table without a
+    schema has no ``table`` label (its series are those of before). To report several tables
+    (one per tenant, in their schemas) from one registry, give a list of :class:`StatsCache`,
+    one per table: one collector reports them all (``stats_up`` is 0 when a read of any
+    failed, the duration is their sum), since two collectors of the same metrics cannot share
+    a registry.
     """
 
     def __init__(
         self,
-        sessions: SessionFactory | StatsCache,
+        sessions: SessionFactory | StatsCache | Sequence[StatsCache],
         *,
         table: Table | None = None,
         queues: Sequence[str] | None = None,
@@ -432,13 +532,9 @@ class QueueStatsCollector:
         at_most: int | None = DEFAULT_AT_MOST,
         namespace: str = "delayedq",
     ) -> None:
-        self.cache = (
-            sessions
-            if isinstance(sessions, StatsCache)
-            else StatsCache(
-                sessions, table=table, queues=queues, min_interval=min_interval, at_most=at_most
-            )
-        )
+        self.caches = _caches(sessions, table, queues, min_interval, at_most)
+        #: The first (usually the only) cache.
+        self.cache = self.caches[0]
         self.namespace = namespace
 
     def register(self, registry: CollectorRegistry | None = None) -> QueueStatsCollector:
@@ -473,14 +569,20 @@ class QueueStatsCollector:
 
     def collect(self) -> Iterator[Metric]:
         depth, capped, lag, up, duration = self._families()
-        stats, ok, seconds = self.cache.get()
-        for q in stats:
-            for state in STATES:
-                depth.add_metric([q.queue, state], getattr(q, state))
-                capped.add_metric([q.queue, state], 1.0 if state in q.capped else 0.0)
-            lag.add_metric([q.queue], q.lag_seconds)
-        up.add_metric([], 1.0 if ok else 0.0)
-        duration.add_metric([], seconds)
+        all_ok, total = True, 0.0
+        for cache in self.caches:
+            stats, ok, seconds = cache.get()
+            all_ok, total = all_ok and ok, total + seconds
+            table = _table_label(cache.table)
+            for q in stats:
+                where = {"queue": q.queue, **({"table": table} if table else {})}
+                for state in STATES:
+                    at = {**where, "state": state}
+                    depth.add_sample(depth.name, at, getattr(q, state))
+                    capped.add_sample(capped.name, at, 1.0 if state in q.capped else 0.0)
+                lag.add_sample(lag.name, where, q.lag_seconds)
+        up.add_metric([], 1.0 if all_ok else 0.0)
+        duration.add_metric([], total)
         yield from (depth, capped, lag, up, duration)
 
 
@@ -586,7 +688,7 @@ def serve_prometheus(
 
 
 def observe_queues(
-    sessions: SessionFactory | StatsCache,
+    sessions: SessionFactory | StatsCache | Sequence[StatsCache],
     *,
     meter: Meter | None = None,
     table: Table | None = None,
@@ -597,38 +699,38 @@ def observe_queues(
     """OpenTelemetry observable gauges ``delayedq.queue.depth`` {queue, state},
     ``delayedq.queue.depth.capped`` {queue, state} (1 when that count stopped at ``at_most``:
     there are at least that many) and ``delayedq.queue.lag`` {queue} (seconds), read from the
-    table when the reader collects (see :class:`StatsCache`)."""
+    table when the reader collects (see :class:`StatsCache`). A table in a schema adds the
+    attribute ``table`` (``schema.name``); a list of :class:`StatsCache`, one per table, reports
+    several tables through one set of instruments. Returns the (first) cache."""
     from opentelemetry import metrics
     from opentelemetry.metrics import Observation
 
-    cache = (
-        sessions
-        if isinstance(sessions, StatsCache)
-        else StatsCache(
-            sessions, table=table, queues=queues, min_interval=min_interval, at_most=at_most
-        )
-    )
+    caches = _caches(sessions, table, queues, min_interval, at_most)
     m = meter or metrics.get_meter(INSTRUMENTATION, _version())
 
+    def read() -> Iterator[tuple[QueueStats, dict[str, str]]]:
+        for cache in caches:
+            label = _table_label(cache.table)
+            stats, _, _ = cache.get()
+            for q in stats:
+                yield q, ({"queue": q.queue, "table": label} if label else {"queue": q.queue})
+
     def depth(_options: CallbackOptions) -> Iterable[Observation]:
-        stats, _, _ = cache.get()
         return [
-            Observation(getattr(q, state), {"queue": q.queue, "state": state})
-            for q in stats
+            Observation(getattr(q, state), {**attrs, "state": state})
+            for q, attrs in read()
             for state in STATES
         ]
 
     def capped(_options: CallbackOptions) -> Iterable[Observation]:
-        stats, _, _ = cache.get()
         return [
-            Observation(1 if state in q.capped else 0, {"queue": q.queue, "state": state})
-            for q in stats
+            Observation(1 if state in q.capped else 0, {**attrs, "state": state})
+            for q, attrs in read()
             for state in STATES
         ]
 
     def lag(_options: CallbackOptions) -> Iterable[Observation]:
-        stats, _, _ = cache.get()
-        return [Observation(q.lag_seconds, {"queue": q.queue}) for q in stats]
+        return [Observation(q.lag_seconds, attrs) for q, attrs in read()]
 
     m.create_observable_gauge(
         "delayedq.queue.depth", [depth], "{message}", "Messages by queue and state"
@@ -640,7 +742,7 @@ def observe_queues(
         "1 when the count of messages stopped at the cap: there are at least that many",
     )
     m.create_observable_gauge("delayedq.queue.lag", [lag], "s", "Lag of the oldest due message")
-    return cache
+    return caches[0]
 
 
 # -- traces ------------------------------------------------------------------------------------

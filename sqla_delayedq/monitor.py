@@ -50,7 +50,7 @@ from sqlalchemy.orm import Session
 
 from ._consumer import BaseWorker, WorkerHooks, retryable
 from ._time import LONGEST, require_duration
-from ._types import Envelope, NackOutcome
+from ._types import Envelope, NackOutcome, QueueName
 from .errors import InvalidArgument
 from .models import stats_table, table_key, workers_table
 
@@ -135,6 +135,8 @@ class WorkerMonitor(WorkerHooks):
     # -- hooks (called on the worker's threads or tasks) -----------------------------------
 
     def _table_of(self, queue: str) -> str:
+        if isinstance(queue, QueueName) and queue.table:
+            return queue.table  # the worker says which: two tables may have a queue of one name
         for q in self.worker.queues:
             if q.name == queue:
                 return table_key(q.table)

@@ -31,9 +31,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from ._consumer import BaseWorker, Mode, WorkerHooks, hand_out, require_option
 from ._handlers import call_sync_handler, check_callback, check_sync_handler
+from ._types import QueueName
 from ._wakeup import subscribe
 
-__all__ = ["Handler", "Mode", "Worker", "WorkerHooks"]
+__all__ = ["Handler", "Mode", "QueueName", "Worker", "WorkerHooks"]
 
 log = logging.getLogger("sqla_delayedq.worker")
 
@@ -167,7 +168,7 @@ class Worker(BaseWorker[sessionmaker[Session]]):
         if self._stop_requested:
             rt.request_stop()
         for table in self._tables():
-            self._cleanup.append(subscribe(table, self._wake))
+            self._cleanup.append(subscribe(table, self._waiter(table)))
         bind = self.sessions.kw.get("bind")
         listener = self._listener(bind, self._wake)
         if listener is not None:

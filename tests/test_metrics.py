@@ -42,7 +42,7 @@ from sqla_delayedq.metrics import (
     serve_prometheus,
     traced_handler,
 )
-from sqla_delayedq.worker import Worker, WorkerHooks
+from sqla_delayedq.worker import QueueName, Worker, WorkerHooks
 from tests.fix_db import Backend
 
 prometheus_client = pytest.importorskip("prometheus_client")
@@ -56,7 +56,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (  # noqa: E4
     InMemorySpanExporter,
 )
 from opentelemetry.trace import SpanKind, StatusCode  # noqa: E402
-from prometheus_client import CollectorRegistry  # noqa: E402
+from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 
 UTC = timezone.utc
 REPO = Path(__file__).resolve().parents[1]
@@ -129,6 +129,30 @@ def test_prometheus_hooks_count_worker_events() -> None:
     assert sample(registry, "delayedq_handler_duration_seconds_count", **failed) == 2
     assert sample(registry, "delayedq_pickup_lag_seconds_count", queue="q") == 3
     assert sample(registry, "delayedq_pickup_lag_seconds_sum", queue="q") == 3.0
+
+
+def test_prometheus_hooks_label_the_table_of_a_queue_in_a_schema_only() -> None:
+    """Two tenants' queues of one name are two series, each with ``table``; a table without a
+    schema keeps its series as they were, without the label."""
+    registry = CollectorRegistry()
+    hooks = PrometheusHooks(registry)
+    tenant_a = QueueName("emails", "tenant_a.jobs", "tenant_a")
+    for queue in (tenant_a, tenant_a, QueueName("emails", "tenant_b.jobs", "tenant_b")):
+        hooks.lag(queue, 1.0)
+        hooks.processed(queue, envelope(), 0.1)
+    hooks.lag(QueueName("emails", "jobs", None), 1.0)
+    hooks.failed(QueueName("emails", "jobs", None), envelope(), RuntimeError(), NackOutcome.DEAD)
+    assert sample(registry, "delayedq_processed_total", queue="emails", table="tenant_a.jobs") == 2
+    assert sample(registry, "delayedq_processed_total", queue="emails", table="tenant_b.jobs") == 1
+    assert sample(registry, "delayedq_processed_total", queue="emails") is None
+    assert sample(registry, "delayedq_dead_total", queue="emails") == 1
+    ok = {"queue": "emails", "table": "tenant_a.jobs", "outcome": "ok"}
+    assert sample(registry, "delayedq_handler_duration_seconds_count", **ok) == 2
+    failed = {"queue": "emails", "outcome": "failed"}
+    assert sample(registry, "delayedq_handler_duration_seconds_count", **failed) == 1
+    text = generate_latest(registry).decode().splitlines()
+    assert 'delayedq_dead_total{queue="emails"} 1.0' in text
+    assert 'delayedq_processed_total{queue="emails",table="tenant_b.jobs"} 1.0' in text
 
 
 def test_a_failure_without_a_start_records_no_duration() -> None:
@@ -447,6 +471,21 @@ def test_otel_hooks_record_worker_events(
     assert by_outcome["failed"].count == 1
     (lag,) = found["delayedq.pickup.lag"]
     assert (lag.count, lag.sum, dict(lag.attributes)) == (2, 2.5, {"queue": "q"})
+
+
+def test_otel_hooks_add_the_table_of_a_queue_in_a_schema_only(
+    meter_provider: MeterProvider, reader: InMemoryMetricReader
+) -> None:
+    hooks = OtelHooks(meter_provider.get_meter("test"))
+    hooks.processed(QueueName("emails", "tenant_a.jobs", "tenant_a"), envelope(), 0.1)
+    hooks.processed(QueueName("emails", "tenant_b.jobs", "tenant_b"), envelope(), 0.1)
+    hooks.processed(QueueName("emails", "jobs", None), envelope(), 0.1)
+    found = points(reader)["delayedq.messages.processed"]
+    assert sorted((sorted(p.attributes.items()), p.value) for p in found) == [
+        ([("queue", "emails")], 1),
+        ([("queue", "emails"), ("table", "tenant_a.jobs")], 1),
+        ([("queue", "emails"), ("table", "tenant_b.jobs")], 1),
+    ]
 
 
 @on_pg_and_sqlite
