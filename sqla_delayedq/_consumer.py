@@ -385,10 +385,10 @@ class Registration:
     #: Messages per take for batch handlers (``handler(envelopes)``); None for one at a time.
     batch: int | None = None
 
-    @property
+    @functools.cached_property
     def queue(self) -> QueueName:
         """The queue's name as hooks get it: with its table, so two tables' queues of one
-        name (tenants in two schemas) are told apart."""
+        name (tenants in two schemas) are told apart (built once, not per message)."""
         src = self.source
         return QueueName(src.name, src.wake_key, src.shape.table.schema)
 
