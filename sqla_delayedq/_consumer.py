@@ -31,7 +31,7 @@ from sqlalchemy.orm import Session
 from . import _planner, _skew, controls
 from . import _statements as st
 from ._dialects import TAKE_ONLY, Listener, is_transient, strategy_class
-from ._handlers import is_cancellation, is_interruption
+from ._handlers import check_arity, check_transactional, is_cancellation, is_interruption
 from ._leases import Ahead, LeasedQueue, Polled, TakeUnsure, leases_apart
 from ._time import Clock, require_duration, require_lease
 from ._types import Envelope, NackOutcome, QueueName
@@ -577,6 +577,12 @@ class BaseWorker(Generic[S]):
             raise InvalidArgument("register handlers before starting the worker")
         src = check_source(source, where)
         self._check_handler(handler, where)
+        if kwargs["mode"] == "transactional":
+            check_transactional(handler, where)
+        elif kwargs.get("batch") is None:
+            check_arity(handler, 1, where, "handler(envelope) in lease mode")
+        else:
+            check_arity(handler, 1, where, "handler(envelopes) (a batch handler)")
         if any(_same_rows(r.source, src) for r in self._registrations):
             # Its messages would go to one handler or the other, whichever consumer took them.
             raise InvalidArgument(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -31,9 +32,11 @@ __all__ = [
     "HandlerNotAwaited",
     "HandlerNotRun",
     "call_sync_handler",
+    "check_arity",
     "check_async_handler",
     "check_callback",
     "check_sync_handler",
+    "check_transactional",
     "is_async_callable",
     "is_cancellation",
     "is_interruption",
@@ -124,6 +127,43 @@ def _refuse_generators(handler: Any, where: str) -> None:
             "generator and runs none of its body, so its messages would be acknowledged "
             "unhandled. Do the work in the function itself and return (no yield)"
         )
+
+
+#: Functions already found to take a call's arguments, by what decides it (their code object,
+#: how many defaults, which keyword-only ones have one, how many arguments): a consumer checks
+#: each handler it is given, and a wrapper made per message has the same code every time.
+_FITS: set[tuple[Any, ...]] = set()
+
+
+def check_arity(handler: Any, count: int, where: str, call: str) -> None:
+    """Refuse a handler that cannot be called with the ``count`` positional arguments it will
+    get (``call`` shows the call, ``handler(envelope, session)``): each of its messages would
+    fail with a ``TypeError`` until it is dead, a configuration's fault blamed on the messages.
+    A callable without a readable signature (a builtin) is let through: its call will tell."""
+    key = None
+    if type(handler) is types.FunctionType:
+        kw = handler.__kwdefaults__
+        key = (handler.__code__, len(handler.__defaults__ or ()), tuple(kw or ()), count)
+        if key in _FITS:
+            return
+    try:
+        signature = inspect.signature(handler)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*range(count))
+    except TypeError as exc:
+        raise InvalidArgument(
+            f"{where}: {_name(handler)}{signature} cannot be called as {call} ({exc}); every "
+            "message would fail with a TypeError until it is dead"
+        ) from None
+    if key is not None:
+        _FITS.add(key)
+
+
+def check_transactional(handler: Any, where: str) -> None:
+    """:func:`check_arity` for a transactional handler, which gets the message's Session."""
+    check_arity(handler, 2, where, "handler(envelope, session) in transactional mode")
 
 
 def check_async_handler(handler: Any, where: str) -> None:

@@ -19,7 +19,7 @@ from . import _statements as st
 from ._admin import AdminMixin
 from ._codec import Codec, check_name, decode_headers, encode_headers, error_text, verbatim
 from ._dialects import Claimed, Claims, Strategy, strategy_for, transient_as_ours
-from ._handlers import run_in_savepoint
+from ._handlers import check_transactional, run_in_savepoint
 from ._leases import UNSEEN, Ahead, LeasedQueue, Processed, check_count, leases_apart
 from ._offers import OfferInput
 from ._rules import after_failure, check_priority, held_due, lost_token
@@ -463,6 +463,7 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         """:meth:`process_one`, and what its take saw of the queue beyond the message it took
         (PostgreSQL reads it in the take's statement, for a queue without groups, priorities or
         controls; elsewhere :data:`~sqla_delayedq._leases.UNSEEN`)."""
+        check_transactional(handler, f"{type(self).__name__}.process_one")
         gate = self._transactional_gate(session)
         if gate == "paused":
             return None, UNSEEN

@@ -38,7 +38,13 @@ from sqlalchemy.util import await_only, greenlet_spawn
 from ._consumer import BaseWorker, Mode, WorkerHooks, hand_out
 from ._dialects import is_transient
 from ._engine import engine_options
-from ._handlers import check_async_handler, check_callback, is_async_callable, refuse_unrun
+from ._handlers import (
+    check_async_handler,
+    check_callback,
+    check_transactional,
+    is_async_callable,
+    refuse_unrun,
+)
 from ._offers import OfferInput
 from ._queue import DelayedQueue
 from ._transaction import backoff_delays
@@ -189,6 +195,7 @@ class AsyncQueue(Generic[T]):
         """:meth:`DelayedQueue.process_one` with an ``async def`` handler, which gets this
         ``AsyncSession`` (inside the savepoint the sync method opens)."""
         check_async_handler(handler, "AsyncQueue.process_one")
+        check_transactional(handler, "AsyncQueue.process_one")
 
         def handle(envelope: Envelope[T], _sync: Session) -> Any:
             return await_only(handler(envelope, session))

@@ -58,6 +58,7 @@ from sqlalchemy.sql import ColumnElement, Select
 
 from . import _statements as st
 from ._dialects import Claimed, Claims, Strategy, strategy_for, transient_as_ours
+from ._handlers import check_transactional
 from ._leases import LeasedQueue, LeaseLost, Processed, leases_apart
 from ._rules import HELD, held_due, held_prefix, lost_token
 from ._time import Clock, DateTimeUTC, require_aware, require_lease, system_clock
@@ -619,6 +620,7 @@ class EntityQueue(LeasedQueue[M]):
         take or the mark, or one that ended the transaction, are re-raised. None when nothing
         is due.
         """
+        check_transactional(handler, f"{type(self).__name__}.process_one")
         gate = self._transactional_gate(session)
         if gate == "paused":
             return None

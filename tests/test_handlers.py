@@ -142,6 +142,95 @@ def test_workers_refuse_the_wrong_kind_of_handler_for_entity_queues_too(backend)
         Worker(backend.Session).register("emails", sync_handler)
 
 
+def one_arg(env):
+    pass
+
+
+def two_args(env, session):
+    pass
+
+
+async def async_one_arg(env):
+    pass
+
+
+async def async_two_args(env, session):
+    pass
+
+
+class Handles:
+    def one(self, env):
+        pass
+
+    def both(self, env, session=None):
+        pass
+
+
+@pytest.mark.parametrize("kind", ["thread", "asyncio"])
+@pytest.mark.parametrize(
+    ("how", "wrong", "call"),
+    [
+        ("transactional", "one", r"handler\(envelope, session\) in transactional mode"),
+        ("lease", "two", r"handler\(envelope\) in lease mode"),
+        ("batch", "two", r"handler\(envelopes\) \(a batch handler\)"),
+    ],
+)
+def test_workers_refuse_a_handler_that_cannot_take_what_its_mode_passes(kind, how, wrong, call):
+    """A handler of the wrong arity failed each attempt with a TypeError until every message of
+    its queue was dead; it is now refused where it is registered."""
+    engine = create_engine("sqlite://")
+    worker: Any = Worker(sessionmaker(engine)) if kind == "thread" else AsyncWorker(engine)
+    handlers = (
+        {"one": one_arg, "two": two_args}
+        if kind == "thread"
+        else {"one": async_one_arg, "two": async_two_args}
+    )
+
+    def register(handler: Any, queue: str) -> None:
+        if how == "batch":
+            worker.register_batch(DelayedQueue(queue), handler)
+        else:
+            worker.register(DelayedQueue(queue), handler, mode=how)
+
+    with pytest.raises(InvalidArgument, match=rf"cannot be called as {call}.*until it is dead"):
+        register(handlers[wrong], "refused")
+    right = handlers["two" if wrong == "one" else "one"]
+    register(right, "accepted")
+    if kind == "thread":  # also fit: defaults, *args, partials, bound methods
+        register(functools.partial(two_args, None) if how != "transactional" else two_args, "p")
+        register(lambda *args: None, "star")
+        register(Handles().both, "method")
+    engine.dispose()
+
+
+def test_workers_check_an_entity_queue_s_handler_the_same_way(backend):
+    from sqla_delayedq import EntityQueue
+    from tests.entity_app.models import Order
+
+    with pytest.raises(InvalidArgument, match="in transactional mode"):
+        Worker(backend.Session).register(EntityQueue(Order), one_arg, mode="transactional")
+    with pytest.raises(InvalidArgument, match="in lease mode"):
+        Worker(backend.Session).register(EntityQueue(Order), Handles.one)  # unbound: 2 args
+    Worker(backend.Session).register(EntityQueue(Order), Handles().one)
+
+
+def test_process_one_refuses_a_handler_of_the_wrong_arity_before_it_takes_anything(
+    backend, make_queue
+):
+    q = make_queue()
+    with backend.Session.begin() as s:
+        q.offer(s, "k", {"n": 1})
+    with backend.Session.begin() as s, pytest.raises(InvalidArgument, match="process_one"):
+        q.process_one(s, one_arg)
+    with backend.Session() as s:
+        info = q.get(s, "k")
+        assert info is not None and info.attempts == 0 and info.lock_token is None
+    done: list[str] = []
+    with backend.Session.begin() as s:
+        q.process_one(s, lambda env, session: done.append(env.key))
+    assert done == ["k"]
+
+
 @pytest.mark.parametrize(
     ("option", "value", "problem"),
     [

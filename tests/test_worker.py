@@ -1002,13 +1002,13 @@ def test_wake_payloads_carry_the_queue_and_the_count():
 def test_a_notification_from_another_connection_says_how_many_messages(pg):
     """The cross-process path: ``LISTEN`` hears each transaction's count per queue."""
     q: DelayedQueue[Any] = DelayedQueue("heard")
-    heard: list[tuple[str | None, int | None]] = []
+    heard: list[tuple[str | None, str | None, int | None]] = []
     listener = PostgreSQLStrategy.listener(pg.url, ["delayed_queue"], lambda *a: heard.append(a))
     assert listener is not None
     listener.start()
     try:
         assert wait_for(listener.connected.is_set, 10)  # type: ignore[attr-defined]
-        assert wait_for(lambda: heard == [(None, None)], 5)  # connected: wake everyone once
+        assert wait_for(lambda: heard == [(None, None, None)], 5)  # connected: wake everyone
         with pg.Session() as s, s.begin():
             q.offer(s, "one", {})
         with pg.Session() as s, s.begin():
@@ -1021,7 +1021,8 @@ def test_a_notification_from_another_connection_says_how_many_messages(pg):
         time.sleep(0.2)
     finally:
         listener.stop()
-    assert heard[1:] == [("heard", 1), ("heard", 5), ("heard", 1), ("heard", 1)]
+    counts = [("heard", 1), ("heard", 5), ("heard", 1), ("heard", 1)]
+    assert heard[1:] == [("delayed_queue", *c) for c in counts]
 
 
 # -- heartbeats -------------------------------------------------------------------------------
