@@ -178,8 +178,16 @@ class Handles:
 def test_workers_refuse_a_handler_that_cannot_take_what_its_mode_passes(kind, how, wrong, call):
     """A handler of the wrong arity failed each attempt with a TypeError until every message of
     its queue was dead; it is now refused where it is registered."""
-    engine = create_engine("sqlite://")
-    worker: Any = Worker(sessionmaker(engine)) if kind == "thread" else AsyncWorker(engine)
+    from sqlalchemy.ext.asyncio import async_sessionmaker
+
+    from sqla_delayedq.aio import create_async_engine
+
+    engine: Any = create_engine("sqlite://") if kind == "thread" else None
+    if kind == "thread":
+        worker: Any = Worker(sessionmaker(engine))
+    else:
+        engine = create_async_engine("sqlite+aiosqlite://")
+        worker = AsyncWorker(async_sessionmaker(engine))
     handlers = (
         {"one": one_arg, "two": two_args}
         if kind == "thread"
@@ -200,7 +208,8 @@ def test_workers_refuse_a_handler_that_cannot_take_what_its_mode_passes(kind, ho
         register(functools.partial(two_args, None) if how != "transactional" else two_args, "p")
         register(lambda *args: None, "star")
         register(Handles().both, "method")
-    engine.dispose()
+    if kind == "thread":
+        engine.dispose()
 
 
 def test_workers_check_an_entity_queue_s_handler_the_same_way(backend):
