@@ -108,7 +108,7 @@ class ManualClock:
                 raise InvalidArgument(
                     f"delta must be a timedelta or seconds, got {type(delta).__name__}"
                 )
-            if not math.isfinite(delta):
+            if isinstance(delta, float) and not math.isfinite(delta):
                 raise InvalidArgument(f"delta must be a finite number of seconds, got {delta}")
             if delta < 0:
                 raise InvalidArgument(f"a clock only moves forward; got {delta} seconds")

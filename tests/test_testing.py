@@ -77,7 +77,15 @@ def test_the_clock_moves_only_forward_and_lends_itself_to_existing_queues() -> N
 
 @pytest.mark.parametrize(
     "delta",
-    [timedelta.max, LONGEST + timedelta(microseconds=1), 1e20, float("inf"), float("nan"), "5"],
+    [
+        timedelta.max,
+        LONGEST + timedelta(microseconds=1),
+        1e20,
+        pytest.param(10**400, id="an-int-too-large-for-a-float"),
+        float("inf"),
+        float("nan"),
+        "5",
+    ],
 )
 def test_the_clock_refuses_a_step_that_is_no_duration_or_too_long(delta: Any) -> None:
     """A clear InvalidArgument, not a raw OverflowError (or ValueError, TypeError), and the
@@ -98,6 +106,8 @@ def test_the_clock_refuses_a_step_past_the_last_time_a_datetime_holds() -> None:
     assert clock() == datetime(9500, 1, 1, tzinfo=timezone.utc)
     with pytest.raises(InvalidArgument, match="forward"):
         clock.advance(-1e20)
+    with pytest.raises(InvalidArgument, match="forward"):
+        clock.advance(-(10**400))
 
 
 def test_the_plugin_loads_by_entry_point_in_a_users_project(tmp_path: Path) -> None:
