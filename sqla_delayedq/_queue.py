@@ -22,7 +22,7 @@ from ._dialects import Claimed, Claims, Strategy, strategy_for, transient_as_our
 from ._handlers import check_transactional, run_in_savepoint
 from ._leases import UNSEEN, Ahead, LeasedQueue, Processed, check_count, leases_apart
 from ._offers import OfferInput
-from ._rules import after_failure, check_priority, held_due, lost_token
+from ._rules import after_failure, attempts_used_up, check_priority, held_due, lost_token
 from ._time import LONGEST, Clock, require_aware, require_duration, require_lease, system_clock
 from ._types import Delivery, Envelope, NackOutcome, OfferMode, OfferResult, Outcome, built
 from .errors import DecodeError, InvalidArgument
@@ -404,13 +404,20 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         return taken
 
     def _consumed(self, session: Session, row: Any, now: datetime) -> Envelope[T] | None:
-        """The envelope of a consumed row; an undecodable row is put back as dead instead, and
-        one whose hold ended with the old lease before its own time is put back due then."""
+        """The envelope of a consumed row; one whose hold ended with the old lease before its
+        own time is put back due then, and one a take never hands out (no attempt left, as
+        :meth:`_deliver` decides: a lost lease counted, or undecodable) is put back dead."""
         held = held_due(row.lock_token)
         if held is not None and held > now:
             values = {c: verbatim(getattr(row, c)) for c in st.TAKE_COLUMNS}
             values |= {"lock_token": None, "scheduled_at": held, "status": "pending"}
             session.execute(self.table.insert().values(values))
+            return None
+        lost = lost_token(row.lock_token)
+        attempts = row.attempts + (lost is not None)
+        used_up = attempts_used_up(lost, attempts, self.retry_policy)
+        if used_up is not None:
+            self._put_back(session, row, attempts, used_up, None, now)
             return None
         try:
             payload = self.codec.decode(row)
@@ -418,7 +425,7 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
             self._put_back(session, row, row.attempts + 1, error_text(exc), None, now)
             return None
         # Consumed: no lease and no token; the row's own due time and token are the "before".
-        return _envelope(row, payload, row.scheduled_at, lost_token(row.lock_token), "", now)
+        return _envelope(row, payload, row.scheduled_at, lost, "", now)
 
     def _put_back(
         self,

@@ -433,6 +433,44 @@ def test_a_take_never_hands_out_an_attempt_past_max_attempts(backend, make_queue
     assert info.last_error.startswith("no attempt left: 2 attempts were counted")
 
 
+@pytest.mark.parametrize("retention", [None, timedelta(days=1)])
+@pytest.mark.parametrize("used_up_by", ["failures", "a lost lease"])
+def test_a_transactional_take_never_hands_out_an_attempt_past_max_attempts(
+    backend, make_queue, clock, retention, used_up_by
+):
+    """As the lease take above: a message with no attempt left is buried by ``process_one``
+    (and ``consume``), its handler never run. The plain consume (no retention) ran it once
+    more, as attempt max_attempts + 1 or as the redelivery of a lease that used up the last
+    attempt, where a lease take and a consume under retention buried it."""
+    lease = timedelta(seconds=10)
+    generous = make_queue(retry=ExponentialBackoff(max_attempts=5), lease=lease)
+    strict = make_queue(retry=ExponentialBackoff(max_attempts=2), lease=lease, retention=retention)
+    with backend.Session() as s, s.begin():
+        generous.offer(s, "k", {"n": 1})
+    failures = 2 if used_up_by == "failures" else 1
+    for _ in range(failures):
+        with backend.Session() as s, s.begin():
+            env = generous.try_poll(s)
+            assert generous.nack(s, env, "boom") is NackOutcome.RETRY_SCHEDULED
+        clock.advance(timedelta(days=1))
+    if used_up_by == "a lost lease":
+        with backend.Session() as s, s.begin():
+            assert generous.try_poll(s).attempt == 2  # its consumer dies: no ack, no nack
+        clock.advance(lease + timedelta(seconds=1))
+    handled: list[str] = []
+    with backend.Session() as s, s.begin():
+        assert strict.process_one(s, lambda env, _: handled.append(env.key)) is None
+        assert strict.consume(s) == []
+    assert handled == []
+    with backend.Session() as s:
+        info = strict.get(s, "k")
+    assert info.status == "dead" and info.attempts == 2
+    if used_up_by == "failures":
+        assert info.last_error.startswith("no attempt left: 2 attempts were counted")
+    else:
+        assert "lease ran out without an ack on 2 attempts" in info.last_error
+
+
 def test_retention_keeps_acked_messages_as_done_then_prunes(backend, make_queue, clock):
     q = make_queue(retention=timedelta(hours=1))
     with backend.Session() as s, s.begin():
