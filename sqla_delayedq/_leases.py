@@ -12,6 +12,7 @@ decisions from :mod:`~sqla_delayedq._rules`, so a rule changed here changes for 
 from __future__ import annotations
 
 import abc
+import logging
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -43,6 +44,9 @@ from .retry import RetryPolicy
 
 T = TypeVar("T")
 
+#: The workers' logger: a message a take buries is logged where its failed attempts are.
+log = logging.getLogger("sqla_delayedq.worker")
+
 __all__ = [
     "UNSEEN",
     "Ahead",
@@ -51,6 +55,7 @@ __all__ = [
     "Processed",
     "TakeUnsure",
     "check_count",
+    "log_buried",
 ]
 
 #: What transactional processing of one row returns: the envelope, the handler's error (None:
@@ -69,6 +74,17 @@ class Ahead(NamedTuple):
 
 
 UNSEEN = Ahead(False, None)
+
+
+def log_buried(queue: str, key: Any, error: str) -> None:
+    """One ``ERROR`` record for a message a take buried instead of delivering it (its attempts
+    used up, its payload undecodable): no handler ran to fail, so nothing else would say it."""
+    log.error(
+        "%s/%s is dead: the take buried it without delivering it: %s",
+        queue,
+        key,
+        error.partition("\n")[0],
+    )
 
 
 class LeaseLost(Exception):
@@ -285,15 +301,17 @@ class LeasedQueue(abc.ABC, Generic[T]):
             self._settle(session, "release", row.id, row.lock_token, s_at=claimed.prev_held)
             return None
         error = attempts_used_up(claimed.prev_token, row.attempts, self.retry_policy)
-        if error is not None:
-            self._bury(session, row.id, row.lock_token, row.attempts, error, now)
-            return None
-        try:
-            payload = self._payload(claimed)
-        except DecodeError as exc:
-            self._bury(session, row.id, row.lock_token, row.attempts + 1, error_text(exc), now)
-            return None
-        return self._envelope(claimed, payload)
+        attempts = row.attempts
+        if error is None:
+            try:
+                payload = self._payload(claimed)
+            except DecodeError as exc:
+                error, attempts = error_text(exc), row.attempts + 1
+            else:
+                return self._envelope(claimed, payload)
+        if self._bury(session, row.id, row.lock_token, attempts, error, now):
+            log_buried(self.name, getattr(row, "key", row.id), error)
+        return None
 
     # -- controls ------------------------------------------------------------------------------
 

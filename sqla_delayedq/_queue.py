@@ -20,7 +20,15 @@ from ._admin import AdminMixin
 from ._codec import Codec, check_name, decode_headers, encode_headers, error_text, verbatim
 from ._dialects import Claimed, Claims, Strategy, strategy_for, transient_as_ours
 from ._handlers import check_transactional, run_in_savepoint
-from ._leases import UNSEEN, Ahead, LeasedQueue, Processed, check_count, leases_apart
+from ._leases import (
+    UNSEEN,
+    Ahead,
+    LeasedQueue,
+    Processed,
+    check_count,
+    leases_apart,
+    log_buried,
+)
 from ._offers import OfferInput
 from ._rules import after_failure, attempts_used_up, check_priority, held_due, lost_token
 from ._time import LONGEST, Clock, require_aware, require_duration, require_lease, system_clock
@@ -418,11 +426,14 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         used_up = attempts_used_up(lost, attempts, self.retry_policy)
         if used_up is not None:
             self._put_back(session, row, attempts, used_up, None, now)
+            log_buried(self.name, row.key, used_up)
             return None
         try:
             payload = self.codec.decode(row)
         except DecodeError as exc:
-            self._put_back(session, row, row.attempts + 1, error_text(exc), None, now)
+            error = error_text(exc)
+            self._put_back(session, row, row.attempts + 1, error, None, now)
+            log_buried(self.name, row.key, error)
             return None
         # Consumed: no lease and no token; the row's own due time and token are the "before".
         return _envelope(row, payload, row.scheduled_at, lost, "", now)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from datetime import datetime, timedelta, timezone
 from typing import Any, cast
 
@@ -469,6 +470,43 @@ def test_a_transactional_take_never_hands_out_an_attempt_past_max_attempts(
         assert info.last_error.startswith("no attempt left: 2 attempts were counted")
     else:
         assert "lease ran out without an ack on 2 attempts" in info.last_error
+
+
+@pytest.mark.parametrize("take", ["lease", "transactional"])
+def test_a_message_a_take_buries_is_logged(backend, make_queue, clock, caplog, take):
+    """No handler runs to fail, so the take itself says it, on the workers' logger at ERROR (a
+    message never becomes dead without a line in the log): an undecodable payload, and
+    attempts used up. Both were buried in silence."""
+    generous = make_queue(retry=ExponentialBackoff(max_attempts=5))
+    strict = make_queue(retry=ExponentialBackoff(max_attempts=1))
+    now = clock()
+    with backend.Session() as s, s.begin():
+        generous.offer(s, "used-up", {"n": 1}, now - timedelta(seconds=10))
+        generous.offer(s, "poison", {"n": 2}, now - timedelta(seconds=5))
+        s.execute(T.update().where(T.c.key == "poison").values(payload_type="other"))
+    with backend.Session() as s, s.begin():
+        env = generous.try_poll(s)
+        assert env.key == "used-up"
+        assert generous.nack(s, env, "boom", now) is NackOutcome.RETRY_SCHEDULED
+    caplog.set_level(logging.ERROR, logger="sqla_delayedq.worker")
+    with backend.Session() as s, s.begin():
+        if take == "lease":
+            assert strict.try_poll_many(s, 2) == []
+        else:
+            assert strict.process_one(s, lambda env, _: None) is None
+    logged = sorted(
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "sqla_delayedq.worker" and r.levelno == logging.ERROR
+    )
+    assert len(logged) == 2, logged
+    poison, used_up = logged
+    assert poison.startswith("q/poison is dead: the take buried it without delivering it: ")
+    assert "DecodeError" in poison
+    assert used_up.startswith("q/used-up is dead: the take buried it without delivering it: ")
+    assert "no attempt left: 1 attempts were counted" in used_up
+    with backend.Session() as s:
+        assert [strict.get(s, k).status for k in ("poison", "used-up")] == ["dead", "dead"]
 
 
 def test_retention_keeps_acked_messages_as_done_then_prunes(backend, make_queue, clock):
