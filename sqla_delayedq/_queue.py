@@ -463,7 +463,8 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         """Transactional mode for one message, inside the caller's transaction.
 
         Consume the first due message, run ``handler(envelope, session)`` inside a savepoint,
-        and return ``(envelope, None, None)``: the removal commits with the handler's writes.
+        and return ``(envelope, None, None)``: the removal (under retention: the mark done, as
+        :meth:`consume` makes it) commits with the handler's writes.
         When the handler raises, its writes are rolled back to the savepoint and the failed
         attempt is recorded in the same transaction, so the message is never due again before
         its retry time: ``(envelope, error, outcome)``; a transient database error the handler
@@ -491,6 +492,8 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
                 return None, UNSEEN
             own = not leases_apart(session)
             return self._process_leased(session, handler, leased[0], own), UNSEEN
+        if self.retention is not None:
+            return self._process_kept(session, handler), UNSEEN
         plain = self.grouping is None and not self.priorities
         taken = self._consume_rows(session, 1, ahead=plain)
         if not taken:
@@ -510,6 +513,30 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         outcome = NackOutcome.DEAD if failure.dead else NackOutcome.RETRY_SCHEDULED
         # The retry time is not in what the take saw: the consumer looks again.
         return (envelope, exc, outcome), UNSEEN
+
+    def _process_kept(
+        self, session: Session, handler: Callable[[Envelope[T], Session], Any]
+    ) -> Processed[T] | None:
+        """:meth:`process_next` under retention, where a handled message is kept as done, as
+        :meth:`consume` keeps it: taken under a lease in the caller's transaction (the row lock
+        keeps other consumers off it) and marked done by its ack, in that transaction. The
+        handler gets the envelope :meth:`consume` would give (no token; the attempt without a
+        lost lease's), which :meth:`record_failure` finds the row by after a rollback."""
+        taken = self.poll_batch(session, 1).envelopes
+        if not taken:
+            return None
+        leased = taken[0]
+        envelope = replace(
+            leased, lock_token="", attempt=leased.attempt - (1 if leased.redelivered else 0)
+        )
+        savepoint, exc = run_in_savepoint(session, handler, envelope)
+        if exc is not None:
+            return envelope, exc, self.nack(session, replace(leased, attempt=envelope.attempt), exc)
+        # Refused only for the handler's own change to the row (an offer that updated it), as
+        # a plain consume's removal would be: that change commits with its other writes.
+        self.ack(session, leased)
+        savepoint.commit()
+        return envelope, None, None
 
     @transient_as_ours
     def record_failure(

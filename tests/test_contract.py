@@ -528,6 +528,51 @@ def test_retention_keeps_acked_messages_as_done_then_prunes(backend, make_queue,
         assert q.get(s, "k") is None
 
 
+def test_process_one_under_retention_keeps_a_handled_message_done(backend, make_queue, clock):
+    """The workers' transactional mode deleted a handled message of a queue with retention,
+    though ``consume`` and an ack keep it as done: the dedupe window was lost, and offered
+    again with its key, the message was created and handled twice. A failure is recorded in
+    the handler's transaction, or after its rollback, as for any consumed message."""
+    policy = ExponentialBackoff(max_attempts=3, initial=timedelta(seconds=30), jitter=0)
+    q = make_queue(retention=timedelta(days=1), retry=policy)
+    with backend.Session() as s, s.begin():
+        keys = ("done", "fails", "bails")  # due in this order
+        q.offer_batch(
+            s, [(k, {"n": i}, clock() - timedelta(seconds=3 - i)) for i, k in enumerate(keys)]
+        )
+    handled: list[Any] = []
+
+    def handle(env: Any, session: Any) -> None:
+        handled.append(env)
+        if env.key == "fails":
+            raise ValueError("no")
+        if env.key == "bails":
+            raise SystemExit("the handler bails out")
+
+    with backend.Session() as s, s.begin():
+        assert q.process_one(s, handle)[1:] == (None, None)
+    with backend.Session() as s, s.begin():
+        _, error, outcome = q.process_one(s, handle)
+        assert isinstance(error, ValueError) and outcome is NackOutcome.RETRY_SCHEDULED
+    with pytest.raises(SystemExit), backend.Session() as s, s.begin():
+        q.process_one(s, handle)
+    assert [(e.key, e.attempt, e.lock_token) for e in handled] == [
+        ("done", 1, ""),
+        ("fails", 1, ""),
+        ("bails", 1, ""),
+    ]
+    with backend.Session() as s, s.begin():  # as the worker records the attempt that bailed
+        assert q.record_failure(s, handled[2], "bailed") is NackOutcome.RETRY_SCHEDULED
+    with backend.Session() as s, s.begin():
+        done, fails, bails = (q.get(s, k) for k in ("done", "fails", "bails"))
+        assert done.state is State.DONE
+        assert q.offer(s, "done", {"n": 0}).outcome is Outcome.IGNORED  # the dedupe window
+        assert (fails.state, fails.attempts) == (State.SCHEDULED, 1)
+        assert fails.last_error.startswith("ValueError: no")
+        assert fails.scheduled_at == clock() + timedelta(seconds=30)
+        assert (bails.state, bails.attempts, bails.last_error) == (State.SCHEDULED, 1, "bailed")
+
+
 # -- consume (transactional mode, seed 002) -----------------------------------------------
 
 
