@@ -112,6 +112,14 @@ def _table_label(table: Table) -> str:
     return table_key(table) if table.schema else ""
 
 
+def _table_labels(caches: Sequence[StatsCache]) -> list[str]:
+    """The ``table`` label of each cache's series, as :func:`_table_label`, except that a
+    table without a schema has one too when the caches read another table without a schema:
+    else the two tables' series of a queue name would be the same series twice."""
+    plain = sum(1 for cache in caches if not cache.table.schema)
+    return [table_key(c.table) if plain > 1 else _table_label(c.table) for c in caches]
+
+
 def _queue_table(queue: str) -> str:
     """The ``table`` label of a queue a worker reports, as :func:`_table_label` (``queue`` is
     a :class:`~sqla_delayedq.worker.QueueName`; a plain ``str`` says no table: empty)."""
@@ -519,7 +527,8 @@ class QueueStatsCollector:
     (one per tenant, in their schemas) from one registry, give a list of :class:`StatsCache`,
     one per table: one collector reports them all (``stats_up`` is 0 when a read of any
     failed, the duration is their sum), since two collectors of the same metrics cannot share
-    a registry.
+    a registry. Among them, tables without a schema carry ``table="name"`` too when there are
+    two or more, so that queues of one name in two of them are two series, not one twice.
     """
 
     def __init__(
@@ -570,10 +579,9 @@ class QueueStatsCollector:
     def collect(self) -> Iterator[Metric]:
         depth, capped, lag, up, duration = self._families()
         all_ok, total = True, 0.0
-        for cache in self.caches:
+        for cache, table in zip(self.caches, _table_labels(self.caches), strict=True):
             stats, ok, seconds = cache.get()
             all_ok, total = all_ok and ok, total + seconds
-            table = _table_label(cache.table)
             for q in stats:
                 where = {"queue": q.queue, **({"table": table} if table else {})}
                 for state in STATES:
@@ -701,16 +709,19 @@ def observe_queues(
     there are at least that many) and ``delayedq.queue.lag`` {queue} (seconds), read from the
     table when the reader collects (see :class:`StatsCache`). A table in a schema adds the
     attribute ``table`` (``schema.name``); a list of :class:`StatsCache`, one per table, reports
-    several tables through one set of instruments. Returns the (first) cache."""
+    several tables through one set of instruments (and tables without a schema get ``table``
+    too when there are two or more of them, as in :class:`QueueStatsCollector`). Returns the
+    (first) cache."""
     from opentelemetry import metrics
     from opentelemetry.metrics import Observation
 
     caches = _caches(sessions, table, queues, min_interval, at_most)
     m = meter or metrics.get_meter(INSTRUMENTATION, _version())
 
+    labels = _table_labels(caches)
+
     def read() -> Iterator[tuple[QueueStats, dict[str, str]]]:
-        for cache in caches:
-            label = _table_label(cache.table)
+        for cache, label in zip(caches, labels, strict=True):
             stats, _, _ = cache.get()
             for q in stats:
                 yield q, ({"queue": q.queue, "table": label} if label else {"queue": q.queue})

@@ -520,6 +520,55 @@ def test_otel_gauges_flag_counts_that_stopped_at_the_cap(
     assert capped == {"due": 1, "scheduled": 0, "in_flight": 0, "dead": 0, "done": 0}
 
 
+def two_plain_tables() -> list[StatsCache]:
+    """Two message tables without a schema, each with a queue ``emails`` (2 and 1 due), in an
+    in-memory database: one StatsCache each."""
+    from sqlalchemy.orm import DeclarativeBase, sessionmaker
+
+    from sqla_delayedq import QueueMessageMixin
+    from sqla_delayedq.testing import memory_engine
+
+    class Base(DeclarativeBase):
+        pass
+
+    models = [type(f"M{n}", (QueueMessageMixin, Base), {"__tablename__": n}) for n in "ab"]
+    tables = [Base.metadata.tables[n] for n in "ab"]
+    engine = memory_engine()
+    Base.metadata.create_all(engine)
+    sessions = sessionmaker(engine)
+    with sessions.begin() as s:
+        for model, keys in zip(models, (["a1", "a2"], ["b1"]), strict=True):
+            for key in keys:
+                DelayedQueue[Any]("emails", model=model).offer(s, key, {})
+    return [StatsCache(sessions, table=t, min_interval=0) for t in tables]
+
+
+def test_collectors_of_two_tables_without_a_schema_label_each(
+    meter_provider: MeterProvider, reader: InMemoryMetricReader
+) -> None:
+    """Neither table has a schema, hence no ``table`` label: their queues of one name were
+    the same series twice (Prometheus keeps one of them). Each now carries its table's."""
+    caches = two_plain_tables()
+    registry = CollectorRegistry()
+    QueueStatsCollector(caches).register(registry)
+    due = [line for line in generate_latest(registry).decode().splitlines() if "due" in line]
+    assert sorted(line for line in due if line.startswith("delayedq_messages{")) == [
+        'delayedq_messages{queue="emails",state="due",table="a"} 2.0',
+        'delayedq_messages{queue="emails",state="due",table="b"} 1.0',
+    ]
+    observe_queues(caches, meter=meter_provider.get_meter("t"))
+    found = points(reader)
+    depth = sorted(
+        (p.attributes["table"], p.value)
+        for p in found["delayedq.queue.depth"]
+        if p.attributes["state"] == "due"
+    )
+    assert depth == [("a", 2), ("b", 1)]
+    alone = CollectorRegistry()
+    QueueStatsCollector(caches[:1]).register(alone)  # one table: its series as they were
+    assert sample(alone, "delayedq_messages", queue="emails", state="due") == 2
+
+
 @pytest.fixture
 def spans() -> Iterator[tuple[TracerProvider, InMemorySpanExporter]]:
     exporter = InMemorySpanExporter()
