@@ -79,6 +79,9 @@ class Shape:
     done_counts_attempt: bool = False
     #: Tokens embed the row id (``prefix || id``), else one token per take.
     row_tokens: bool = True
+    #: A row due again after it was done (an entity scheduled again by writing its due time,
+    #: not by ``schedule``) starts a fresh run: its take counts attempts from 0.
+    fresh_when_done: bool = False
 
 
 @functools.cache
@@ -396,8 +399,12 @@ def take_values(shape: Shape, lease_until: Any, prefix: Any) -> list[tuple[Any, 
     (see :func:`~sqla_delayedq._rules.attempts_used_up`), so a row that keeps killing or hanging
     its consumers ends up dead.
     """
+    attempts: Any = shape.attempts + lost_attempt(shape.token)
+    if shape.fresh_when_done:
+        fresh = and_(shape.status == shape.done, shape.token.is_(None))
+        attempts = case((fresh, 0), else_=attempts)
     return [
-        (shape.attempts, shape.attempts + lost_attempt(shape.token)),
+        (shape.attempts, attempts),
         (shape.due, lease_until),
         (shape.token, token_expr(shape, prefix)),
     ]

@@ -197,6 +197,7 @@ def entity_shape(table: Table, pk: Column[Any]) -> st.Shape:
         dead=EntityStatus.FAILED,
         retrying=EntityStatus.FAILED,
         done_counts_attempt=True,
+        fresh_when_done=True,
         row_tokens=False,  # one token per take: a primary key may be long text
     )
 
@@ -458,8 +459,9 @@ class EntityQueue(LeasedQueue[M]):
             if row_id not in taken:
                 continue
             prev_token, prev_due = entity.queue_lock_token, entity.queue_next_attempt_at
-            lost = lost_token(prev_token)  # as the take's SET counted it
-            attempts = entity.queue_attempts + (0 if lost is None else 1)
+            lost = lost_token(prev_token)  # as the take's SET counted it (st.take_values)
+            fresh = prev_token is None and entity.queue_status == EntityStatus.SUCCEEDED
+            attempts = 0 if fresh else entity.queue_attempts + (0 if lost is None else 1)
             set_committed_value(entity, "queue_next_attempt_at", until)
             set_committed_value(entity, "queue_lock_token", prefix)
             set_committed_value(entity, "queue_attempts", attempts)

@@ -651,6 +651,49 @@ def test_process_now_leaves_a_lost_lease_to_the_take_that_fails_it_after_its_las
     assert "lease ran out without an ack on 2 attempts" in (order.queue_last_error or "")
 
 
+@pytest.mark.parametrize("how", ["lease", "transactional"])
+def test_an_entity_that_succeeded_on_its_last_attempt_and_is_due_again_runs_a_fresh_run(
+    db: Backend, clock: FakeClock, how: str
+) -> None:
+    """Its due time written by hand (the column, not ``schedule``): the take starts a new run,
+    attempts from 0, instead of burying it as out of attempts without running its handler."""
+    queue = EntityQueue(
+        Order,
+        clock=clock,
+        retry=dataclasses.replace(NO_JITTER, max_attempts=2),
+        lease=timedelta(minutes=1),
+    )
+    [order_id] = add_orders(db.Session, 1)
+    with db.Session() as s, s.begin():
+        queue.schedule(s, Order.id == order_id)
+    for outcome in ("fail", "ok"):  # succeeded on its second, last, attempt
+        with db.Session() as s, s.begin():
+            [lease] = queue.try_poll_many(s, 1)
+            if outcome == "fail":
+                queue.nack(s, lease, "once", at=clock())
+            else:
+                queue.ack(s, lease)
+    order = row(db.Session, order_id)
+    assert (order.queue_status, order.queue_attempts) == (EntityStatus.SUCCEEDED, 2)
+    with db.Session() as s, s.begin():
+        s.execute(
+            sa.update(Order).where(Order.id == order_id).values(queue_next_attempt_at=clock())
+        )
+    handled: list[int] = []
+    with db.Session() as s, s.begin():
+        if how == "lease":
+            [lease] = queue.try_poll_many(s, 1)
+            handled.append(lease.attempt)
+            assert queue.nack(s, lease, "the new run's first failure") is not NackOutcome.DEAD
+        else:
+            result = queue.process_one(s, lambda env, session: handled.append(env.attempt))
+            assert result is not None and result[1] is None
+    assert handled == [1]
+    order = row(db.Session, order_id)
+    assert order.queue_attempts == 1
+    assert (order.queue_next_attempt_at is not None) == (how == "lease")  # a retry is due
+
+
 def test_schedule_by_filter_starts_a_fresh_run_and_resets_the_lease(
     db: Backend, queue: EntityQueue[Order], clock: FakeClock
 ) -> None:
