@@ -624,11 +624,8 @@ def test_process_now_moves_waiting_rows_to_now_only(
     assert row(db.Session, idle).queue_next_attempt_at is None
 
 
-def test_process_now_leaves_a_lost_lease_to_the_take_that_fails_it_after_its_last_attempt(
-    db: Backend, clock: FakeClock
-) -> None:
-    """As for messages (docs/retries.md): its consumer died on its last attempt; process now
-    does not touch it (it is due already) and the take marks it failed, undelivered."""
+def two_attempts_one_order(db: Backend, clock: FakeClock) -> tuple[EntityQueue[Order], int]:
+    """A queue of two attempts and one order, due now."""
     queue = EntityQueue(
         Order,
         clock=clock,
@@ -638,6 +635,15 @@ def test_process_now_leaves_a_lost_lease_to_the_take_that_fails_it_after_its_las
     [order_id] = add_orders(db.Session, 1)
     with db.Session() as s, s.begin():
         queue.schedule(s, Order.id == order_id)
+    return queue, order_id
+
+
+def test_process_now_leaves_a_lost_lease_to_the_take_that_fails_it_after_its_last_attempt(
+    db: Backend, clock: FakeClock
+) -> None:
+    """As for messages (docs/retries.md): its consumer died on its last attempt; process now
+    does not touch it (it is due already) and the take marks it failed, undelivered."""
+    queue, order_id = two_attempts_one_order(db, clock)
     attempts = []
     for _ in range(3):
         with db.Session() as s, s.begin():
@@ -657,15 +663,7 @@ def test_an_entity_that_succeeded_on_its_last_attempt_and_is_due_again_runs_a_fr
 ) -> None:
     """Its due time written by hand (the column, not ``schedule``): the take starts a new run,
     attempts from 0, instead of burying it as out of attempts without running its handler."""
-    queue = EntityQueue(
-        Order,
-        clock=clock,
-        retry=dataclasses.replace(NO_JITTER, max_attempts=2),
-        lease=timedelta(minutes=1),
-    )
-    [order_id] = add_orders(db.Session, 1)
-    with db.Session() as s, s.begin():
-        queue.schedule(s, Order.id == order_id)
+    queue, order_id = two_attempts_one_order(db, clock)
     for outcome in ("fail", "ok"):  # succeeded on its second, last, attempt
         with db.Session() as s, s.begin():
             [lease] = queue.try_poll_many(s, 1)
