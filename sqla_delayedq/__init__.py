@@ -21,6 +21,7 @@ from ._engine import configure_sqlite, create_engine
 from ._queue import DelayedQueue, OfferInput
 from ._transaction import run_in_transaction
 from ._types import (
+    Buried,
     Delivery,
     Envelope,
     MessageFilter,
@@ -74,6 +75,7 @@ from .serializers import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "Buried",
     "BytesSerializer",
     "CatchUp",
     "ConfirmationRequired",

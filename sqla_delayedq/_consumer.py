@@ -32,9 +32,9 @@ from . import _planner, _skew, controls
 from . import _statements as st
 from ._dialects import TAKE_ONLY, Listener, is_transient, strategy_class
 from ._handlers import check_arity, check_transactional, is_cancellation, is_interruption
-from ._leases import Ahead, LeasedQueue, Polled, TakeUnsure, leases_apart
+from ._leases import BURIED, Ahead, LeasedQueue, Polled, TakeUnsure, leases_apart
 from ._time import Clock, require_duration, require_lease
-from ._types import Envelope, NackOutcome, QueueName
+from ._types import Buried, Envelope, NackOutcome, QueueName
 from ._wakeup import Wake
 from .errors import InvalidArgument, WorkerError
 
@@ -149,6 +149,11 @@ class WorkerHooks:
     def redelivered(self, queue: str, envelope: Envelope[Any]) -> HookResult:
         """A message was taken again after a lease ran out."""
 
+    def buried(self, queue: str, buried: Buried) -> HookResult:
+        """A take buried a message instead of delivering it (see :class:`~sqla_delayedq.Buried`):
+        its attempts were used up, by leases that ran out too, or its payload cannot be
+        decoded. It is dead, and no handler ran, so :meth:`failed` is not called for it."""
+
     def lag(self, queue: str, seconds: float) -> HookResult:
         """How late a message was taken, relative to its due time."""
 
@@ -157,7 +162,7 @@ class WorkerHooks:
 
 
 #: The methods of :class:`WorkerHooks`, each a hook the worker calls.
-HOOKS = ("processed", "failed", "redelivered", "lag", "db_error")
+HOOKS = ("processed", "failed", "redelivered", "buried", "lag", "db_error")
 
 
 class SafeHooks(WorkerHooks):
@@ -200,6 +205,9 @@ class SafeHooks(WorkerHooks):
 
     def redelivered(self, queue: str, envelope: Envelope[Any]) -> None:
         self._call("redelivered", queue, envelope)
+
+    def buried(self, queue: str, buried: Buried) -> None:
+        self._call("buried", queue, buried)
 
     def lag(self, queue: str, seconds: float) -> None:
         self._call("lag", queue, seconds)
@@ -930,6 +938,7 @@ class BaseWorker(Generic[S]):
             with self.rt.session() as s, s.begin():
                 s.info[TAKE_ONLY] = True  # its commit need not wait for the WAL flush (PostgreSQL)
                 envs, taken = self._take_in(s, reg, n)
+            self._report_buried(reg, s)
         except Exception as exc:
             # ``envs`` is set once the take's statements ran: only its commit failed.
             if not (envs and retryable(exc)):
@@ -940,6 +949,12 @@ class BaseWorker(Generic[S]):
             self.hooks.db_error(exc)
             envs = got
         return envs, taken
+
+    def _report_buried(self, reg: Registration, s: Session) -> None:
+        """After ``s`` committed: tell the hooks of each message its takes buried (see
+        :data:`~sqla_delayedq._leases.BURIED`); its ``ERROR`` record is written already."""
+        for buried in s.info.pop(BURIED, ()):
+            self.hooks.buried(reg.queue, buried)
 
     def _took(
         self, reg: Registration, envs: list[Envelope[Any]], error: BaseException, then: str
@@ -1120,6 +1135,7 @@ class BaseWorker(Generic[S]):
                     acked = self._acknowledge(s, reg, envs)
                     taken = self._take_in(s, reg, then)
                     committing = True  # only a failure from here on may hide a commit
+                self._report_buried(reg, s)
             except Exception as exc:
                 got = None
                 if committing and taken[0] and retryable(exc):
@@ -1239,6 +1255,7 @@ class BaseWorker(Generic[S]):
         #: The message whose handler runs, and a failure that rolled its take back (below).
         handling: list[Envelope[Any]] = []
         bailed: list[BaseException] = []
+        idle = Taken(0, False, None)
 
         def handle(envelope: Envelope[Any], session: Session) -> Any:
             self._observe(reg, envelope)
@@ -1269,8 +1286,9 @@ class BaseWorker(Generic[S]):
                         bailed.append(exc)
                         self._fail(exc, f"the handler of {reg.source.name}")
                     raise
-                if result is None:
-                    return Taken(0, False, self._idle(s, reg))
+                if result is None:  # nothing taken: how long to wait, read in its transaction
+                    idle = Taken(0, False, self._idle(s, reg))
+            self._report_buried(reg, s)
         except Exception as exc:
             # The transaction failed (a lost connection, a deadlock, a failed commit): as for a
             # plain take, the message is due again at once, no attempt counted. A lease taken
@@ -1290,6 +1308,8 @@ class BaseWorker(Generic[S]):
             if bailed and handling:
                 self._record_bailed(reg, handling[-1], bailed[0])
             raise
+        if result is None:
+            return idle
         envelope, error, outcome = result
         # Hooks run after the commit, so they report what the database now holds.
         if error is None:

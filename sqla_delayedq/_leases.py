@@ -36,7 +36,7 @@ from ._dialects import (
 from ._handlers import run_in_savepoint
 from ._rules import after_failure, attempts_used_up, carries, held_parts, hold
 from ._time import Clock, require_aware, require_lease
-from ._types import Envelope, NackOutcome
+from ._types import Buried, Envelope, NackOutcome
 from ._wakeup import announce
 from .errors import DecodeError, InvalidArgument, TransientError
 from .models import table_key
@@ -48,6 +48,7 @@ T = TypeVar("T")
 log = logging.getLogger("sqla_delayedq.worker")
 
 __all__ = [
+    "BURIED",
     "UNSEEN",
     "Ahead",
     "LeaseLost",
@@ -76,15 +77,24 @@ class Ahead(NamedTuple):
 UNSEEN = Ahead(False, None)
 
 
-def log_buried(queue: str, key: Any, error: str) -> None:
-    """One ``ERROR`` record for a message a take buried instead of delivering it (its attempts
-    used up, its payload undecodable): no handler ran to fail, so nothing else would say it."""
+#: ``Session.info`` key: the messages the session's transaction buried at a take, a list of
+#: :class:`~sqla_delayedq.Buried`. A worker reports them to its hooks once that transaction
+#: committed (a rollback put them back as they were).
+BURIED = "sqla_delayedq.buried"
+
+
+def log_buried(session: Session, queue: str, key: Any, error: str) -> None:
+    """A message a take buried instead of delivering it (its attempts used up, its payload
+    undecodable): no handler ran to fail, so nothing else would say it. One ``ERROR`` record
+    now, and a :class:`~sqla_delayedq.Buried` on the session for the worker's hooks (see
+    :data:`BURIED`)."""
     log.error(
         "%s/%s is dead: the take buried it without delivering it: %s",
         queue,
         key,
         error.partition("\n")[0],
     )
+    session.info.setdefault(BURIED, []).append(Buried(queue, str(key), error))
 
 
 class LeaseLost(Exception):
@@ -310,7 +320,7 @@ class LeasedQueue(abc.ABC, Generic[T]):
             else:
                 return self._envelope(claimed, payload)
         if self._bury(session, row.id, row.lock_token, attempts, error, now):
-            log_buried(self.name, getattr(row, "key", row.id), error)
+            log_buried(session, self.name, getattr(row, "key", row.id), error)
         return None
 
     # -- controls ------------------------------------------------------------------------------

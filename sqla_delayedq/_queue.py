@@ -426,14 +426,14 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         used_up = attempts_used_up(lost, attempts, self.retry_policy)
         if used_up is not None:
             self._put_back(session, row, attempts, used_up, None, now)
-            log_buried(self.name, row.key, used_up)
+            log_buried(session, self.name, row.key, used_up)
             return None
         try:
             payload = self.codec.decode(row)
         except DecodeError as exc:
             error = error_text(exc)
             self._put_back(session, row, row.attempts + 1, error, None, now)
-            log_buried(self.name, row.key, error)
+            log_buried(session, self.name, row.key, error)
             return None
         # Consumed: no lease and no token; the row's own due time and token are the "before".
         return _envelope(row, payload, row.scheduled_at, lost, "", now)

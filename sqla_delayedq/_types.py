@@ -6,13 +6,14 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 from .errors import InvalidArgument
 
 T = TypeVar("T")
 
 __all__ = [
+    "Buried",
     "Delivery",
     "Envelope",
     "MessageFilter",
@@ -123,6 +124,17 @@ class QueueName(str):
         self.table = table
         self.schema = schema
         return self
+
+
+class Buried(NamedTuple):
+    """A message a take buried instead of delivering it: its attempts were used up (leases
+    that ran out count, so one that keeps killing or hanging its consumer ends here), or its
+    payload cannot be decoded. It is dead, kept with ``error`` as its last error, and no
+    handler ran. ``key`` is the message's key (an entity's primary key, as text)."""
+
+    queue: str
+    key: str
+    error: str
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ from ._cli_stats import STATES, QueueStats, queue_stats
 from ._codec import check_strings
 from ._consumer import HOOKS
 from ._handlers import check_callback, is_async_callable, is_interruption
-from ._types import Envelope, NackOutcome, OfferMode, OfferResult, QueueName
+from ._types import Buried, Envelope, NackOutcome, OfferMode, OfferResult, QueueName
 from .errors import InvalidArgument
 from .models import DelayedMessage, table_key
 from .worker import Handler, WorkerHooks
@@ -206,6 +206,11 @@ class CompositeHooks(WorkerHooks):
             _guarded(h.redelivered)(queue, envelope)
 
     @_guarded
+    def buried(self, queue: str, buried: Buried) -> None:
+        for h in self.hooks:
+            _guarded(h.buried)(queue, buried)
+
+    @_guarded
     def lag(self, queue: str, seconds: float) -> None:
         for h in self.hooks:
             _guarded(h.lag)(queue, seconds)
@@ -293,7 +298,7 @@ class PrometheusHooks(WorkerHooks):
             Counter, "failed", "Handler failures (retried or dead)", q
         )
         self._dead, self.dead_total = metric(
-            Counter, "dead", "Messages that died after their last attempt", q
+            Counter, "dead", "Messages that died after their last attempt (or buried by a take)", q
         )
         self._redelivered, self.redelivered_total = metric(
             Counter, "redelivered", "Messages taken again after a lease ran out", q
@@ -341,6 +346,10 @@ class PrometheusHooks(WorkerHooks):
     @_guarded
     def redelivered(self, queue: str, envelope: Envelope[Any]) -> None:
         self._redelivered(queue).inc()
+
+    @_guarded
+    def buried(self, queue: str, buried: Buried) -> None:
+        self._dead(queue).inc()
 
     @_guarded
     def lag(self, queue: str, seconds: float) -> None:
@@ -397,6 +406,10 @@ class OtelHooks(WorkerHooks):
     @_guarded
     def redelivered(self, queue: str, envelope: Envelope[Any]) -> None:
         self.redelivered_counter.add(1, _attributes(queue))
+
+    @_guarded
+    def buried(self, queue: str, buried: Buried) -> None:
+        self.dead_counter.add(1, _attributes(queue))
 
     @_guarded
     def lag(self, queue: str, seconds: float) -> None:

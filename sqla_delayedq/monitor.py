@@ -50,7 +50,7 @@ from sqlalchemy.orm import Session
 
 from ._consumer import BaseWorker, WorkerHooks, retryable
 from ._time import LONGEST, require_duration
-from ._types import Envelope, NackOutcome, QueueName
+from ._types import Buried, Envelope, NackOutcome, QueueName
 from .errors import InvalidArgument
 from .models import stats_table, table_key, workers_table
 
@@ -161,6 +161,9 @@ class WorkerMonitor(WorkerHooks):
             self._count(queue, 1, 2)
         else:
             self._count(queue, 1)
+
+    def buried(self, queue: str, buried: Buried) -> None:
+        self._count(queue, 2)  # dead without an attempt of a handler
 
     # -- the heartbeat (a periodic task of the worker) -------------------------------------
 

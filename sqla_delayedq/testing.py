@@ -41,7 +41,7 @@ from ._consumer import BaseWorker, WorkerHooks
 from ._engine import create_engine
 from ._queue import DelayedQueue
 from ._time import LONGEST, require_aware, require_duration
-from ._types import Envelope, MessageFilter, MessageInfo, NackOutcome, State
+from ._types import Buried, Envelope, MessageFilter, MessageInfo, NackOutcome, State
 from ._wakeup import subscribe
 from .errors import InvalidArgument
 from .models import DelayedMessage, table_key
@@ -377,27 +377,42 @@ class Drained:
     handled: int
     #: Failed attempts, in order.
     failures: tuple[Failure, ...] = ()
+    #: Messages a take buried without running a handler (attempts used up, or a payload that
+    #: cannot be decoded), in order: dead, and not counted in ``handled``.
+    buried: tuple[Buried, ...] = ()
 
     @property
     def succeeded(self) -> int:
         return self.handled - len(self.failures)
 
 
-class _Recorder(WorkerHooks):
-    """Failed attempts of one worker, while someone listens."""
+class _Sink:
+    """What one recording saw: failed attempts, and messages takes buried."""
 
     def __init__(self) -> None:
-        self.lists: list[list[Failure]] = []
+        self.failures: list[Failure] = []
+        self.buried: list[Buried] = []
+
+
+class _Recorder(WorkerHooks):
+    """Failed attempts and burials of one worker, while someone listens."""
+
+    def __init__(self) -> None:
+        self.lists: list[_Sink] = []
 
     def failed(
         self, queue: str, envelope: Envelope[Any], error: BaseException, outcome: NackOutcome
     ) -> None:
         for sink in self.lists:
-            sink.append((envelope, error, outcome))
+            sink.failures.append((envelope, error, outcome))
+
+    def buried(self, queue: str, buried: Buried) -> None:
+        for sink in self.lists:
+            sink.buried.append(buried)
 
     @contextlib.contextmanager
-    def recording(self) -> Iterator[list[Failure]]:
-        sink: list[Failure] = []
+    def recording(self) -> Iterator[_Sink]:
+        sink = _Sink()
         self.lists.append(sink)
         try:
             yield sink
@@ -441,8 +456,15 @@ def _advance(clock: ManualClock | None, nxt: datetime | None, until: datetime | 
     return True
 
 
-def _result(handled: int, failures: list[Failure], raise_errors: bool) -> Drained:
-    result = Drained(handled, tuple(failures))
+def _result(handled: int, seen: _Sink, raise_errors: bool) -> Drained:
+    failures, buried = seen.failures, seen.buried
+    result = Drained(handled, tuple(failures), tuple(buried))
+    if raise_errors and buried and not failures:
+        first = buried[0]
+        raise HandlerFailed(
+            f"{len(buried)} message(s) were buried without a handler call; the first, "
+            f"{first.queue}/{first.key}: {first.error.partition(chr(10))[0]}"
+        )
     if raise_errors and failures:
         envelope, error, outcome = failures[0]
         raise HandlerFailed(
@@ -475,11 +497,12 @@ def drain(
     nothing is scheduled or the next message is after ``until`` (where the clock is left).
     More than ``max_messages`` handled raises :class:`DrainLimitExceeded`. A failing handler is
     retried or buried by the retry policy as in production; ``raise_errors`` raises
-    :class:`HandlerFailed` after the drain when any call failed.
+    :class:`HandlerFailed` after the drain when any call failed, or when a take buried a
+    message without a call (``Drained.buried``).
     """
     _check_drain_args(clock, until, max_messages)
     handled = 0
-    with _recorder(worker).recording() as failures:
+    with _recorder(worker).recording() as seen:
         while True:
             handled += worker.process_due(limit=max_messages - handled + 1)
             _check_bound(handled, max_messages)
@@ -487,7 +510,7 @@ def drain(
                 nxt = _next_due(worker.queues, s)
             if not _advance(clock, nxt, until):
                 break
-        return _result(handled, failures, raise_errors)
+        return _result(handled, seen, raise_errors)
 
 
 async def drain_async(
@@ -501,7 +524,7 @@ async def drain_async(
     """:func:`drain` for an :class:`~sqla_delayedq.aio.AsyncWorker` (``async def`` handlers)."""
     _check_drain_args(clock, until, max_messages)
     handled = 0
-    with _recorder(worker).recording() as failures:
+    with _recorder(worker).recording() as seen:
         while True:
             handled += await worker.process_due(limit=max_messages - handled + 1)
             _check_bound(handled, max_messages)
@@ -509,17 +532,18 @@ async def drain_async(
                 nxt = await s.run_sync(functools.partial(_next_due, worker.queues))
             if not _advance(clock, nxt, until):
                 break
-        return _result(handled, failures, raise_errors)
+        return _result(handled, seen, raise_errors)
 
 
-class Inline:
-    """What :func:`inline` yields: counts of what ran so far, and the failures."""
+class Inline(_Sink):
+    """What :func:`inline` yields: counts of what ran so far, the failures, and the messages
+    takes buried."""
 
     def __init__(self, worker: Worker, max_messages: int) -> None:
         self.worker = worker
         self.max_messages = max_messages
+        super().__init__()
         self.handled = 0
-        self.failures: list[Failure] = []
         #: An error that stopped a run (a database error, :class:`DrainLimitExceeded`).
         self.error: BaseException | None = None
         self._names = {q.name for q in worker.queues}
@@ -556,6 +580,7 @@ class Inline:
             return
         self.handled += result.handled
         self.failures += result.failures
+        self.buried += result.buried
 
 
 @contextlib.contextmanager
@@ -568,7 +593,8 @@ def inline(
     A rolled-back offer runs nothing; a message due later runs when :func:`drain` moves the
     clock. The handlers' sessions must see the commit (the same database, really committed).
     Errors never surface from the commit: a failing handler is retried or buried as in
-    production and listed in ``Inline.failures``; with ``raise_errors`` the block raises
+    production and listed in ``Inline.failures`` (a message a take buried without a call
+    in ``Inline.buried``); with ``raise_errors`` the block raises
     :class:`HandlerFailed` at its end. A database error is raised at the end of the block.
     """
     if not isinstance(worker, Worker):
@@ -585,4 +611,4 @@ def inline(
             fn()
     if state.error is not None:
         raise state.error
-    _result(state.handled, state.failures, raise_errors)
+    _result(state.handled, state, raise_errors)

@@ -23,6 +23,7 @@ import pytest
 from sqlalchemy.orm import Session
 
 from sqla_delayedq import (
+    Buried,
     DelayedQueue,
     Delivery,
     Envelope,
@@ -455,6 +456,7 @@ def test_otel_hooks_record_worker_events(
     hooks.lag("q", 0.5)
     hooks.failed("q", envelope(), RuntimeError("x"), NackOutcome.DEAD)
     hooks.redelivered("q", envelope())
+    hooks.buried("q", Buried("q", "k", "no attempt left"))  # dead, though no handler failed
     hooks.db_error(ConnectionError("gone"))
     found = points(reader)
 
@@ -463,7 +465,7 @@ def test_otel_hooks_record_worker_events(
 
     assert total("delayedq.messages.processed") == 1
     assert total("delayedq.messages.failed") == 1
-    assert total("delayedq.messages.dead") == 1
+    assert total("delayedq.messages.dead") == 2
     assert total("delayedq.messages.redelivered") == 1
     assert total("delayedq.db.errors") == 1
     by_outcome = {p.attributes["outcome"]: p for p in found["delayedq.handler.duration"]}

@@ -23,11 +23,11 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import sessionmaker
 
-from sqla_delayedq import DelayedQueue, ExponentialBackoff, create_engine
+from sqla_delayedq import Buried, DelayedQueue, ExponentialBackoff, create_engine
 from sqla_delayedq.errors import InvalidArgument
 from sqla_delayedq.models import DelayedMessage, stats_table, workers_table
 from sqla_delayedq.monitor import DEAD_AFTER_BEATS, monitor_worker
-from sqla_delayedq.worker import Worker
+from sqla_delayedq.worker import QueueName, Worker
 from tests.fix_db import Backend
 from tests.fix_workers import AsyncRunner, running
 
@@ -104,6 +104,14 @@ def test_a_monitored_worker_writes_its_row_and_counters(backend: Backend, kind: 
         until(lambda: worker_rows(backend)[0]["heartbeat_at"] > first)
     [row] = worker_rows(backend)
     assert row["stopped_at"] is not None
+
+
+def test_a_message_a_take_buried_counts_dead_not_failed(backend: Backend) -> None:
+    worker = Worker(backend.Session).register(DelayedQueue("jobs"), handler)
+    monitor = monitor_worker(worker)
+    monitor.buried(QueueName("jobs", "delayed_queue"), Buried("jobs", "k", "no attempt left"))
+    [(key, counts)] = monitor._pending.items()
+    assert key[:2] == ("delayed_queue", "jobs") and counts == [0, 0, 1]
 
 
 def test_without_the_tables_a_worker_warns_once_and_works_on(

@@ -15,7 +15,7 @@ import textwrap
 from datetime import datetime, timedelta, timezone
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -315,6 +315,39 @@ def test_drain_buries_poison_and_can_raise_handler_errors(db) -> None:
     with db.sessions() as s:
         (dead,) = q.search(s, MessageFilter(state=State.DEAD))
         assert "no such customer" in (dead.last_error or "")
+
+
+def test_drain_lists_and_can_raise_a_message_a_take_buried_without_a_handler_call(db) -> None:
+    """A payload the serializer cannot read is buried by the take: no handler runs, so before
+    ``Drained.buried`` a drain reported nothing at all and ``raise_errors`` passed."""
+    import sqlalchemy as sa
+
+    from sqla_delayedq import DelayedMessage
+
+    q = db.queue("poison")
+    ran: list[str] = []
+    worker = db.worker().register(q, lambda env: ran.append(env.key))
+    with db.sessions.begin() as s:
+        q.offer(s, "bad", {})
+        q.offer(s, "good", {})
+        t = cast(sa.Table, DelayedMessage.__table__)
+        s.execute(sa.update(t).where(t.c.key == "bad").values(payload_type="other"))
+    result = drain(worker, clock=db.clock)
+    assert ran == ["good"] and result.handled == 1 and result.failures == ()
+    ((queue, key, error),) = result.buried
+    assert (queue, key) == ("poison", "bad") and "DecodeError" in error
+    with db.sessions.begin() as s:
+        q.offer(s, "bad2", {})
+        s.execute(sa.update(t).where(t.c.key == "bad2").values(payload_type="other"))
+    with pytest.raises(
+        HandlerFailed, match=r"1 message\(s\) were buried.*poison/bad2.*DecodeError"
+    ):
+        drain(worker, clock=db.clock, raise_errors=True)
+    with inline(worker) as run, db.sessions.begin() as s:
+        q.offer(s, "bad3", {})
+        s.flush()
+        s.execute(sa.update(t).where(t.c.key == "bad3").values(payload_type="other"))
+    assert [b.key for b in run.buried] == ["bad3"] and ran == ["good"]
 
 
 def test_inline_runs_handlers_when_the_offer_commits_never_on_rollback(db) -> None:

@@ -16,13 +16,14 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from sqla_delayedq import (
+    Buried,
     DelayedMessage,
     DelayedQueue,
     Delivery,
@@ -74,6 +75,7 @@ class RecordingHooks(WorkerHooks):
         self.processed_: list[tuple[str, str, float]] = []
         self.failed_: list[tuple[str, str, int, BaseException, NackOutcome]] = []
         self.redelivered_: list[tuple[str, str]] = []
+        self.buried_: list[tuple[str, Buried]] = []
         self.lags: list[tuple[str, float]] = []
         self.db_errors: list[BaseException] = []
 
@@ -90,6 +92,10 @@ class RecordingHooks(WorkerHooks):
     def redelivered(self, queue: str, envelope: Envelope[Any]) -> None:
         with self.lock:
             self.redelivered_.append((queue, envelope.key))
+
+    def buried(self, queue: str, buried: Buried) -> None:
+        with self.lock:
+            self.buried_.append((queue, buried))
 
     def lag(self, queue: str, seconds: float) -> None:
         with self.lock:
@@ -185,6 +191,62 @@ def _failing_handler(mode: str, seen: list[int]) -> Callable[..., None]:
     if mode == "lease":
         return lambda env: handler(env)
     return handler
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_message_a_take_buries_reaches_the_hooks_and_the_dead_counter(backend, mode, make_worker):
+    """A take buries a message whose attempts are used up (here: failed under a higher
+    max_attempts) or whose payload cannot be decoded: dead, no handler ran. The hooks heard
+    nothing of it, so ``delayedq_dead_total`` missed the poison messages operators alert on."""
+    from prometheus_client import CollectorRegistry
+
+    from sqla_delayedq.metrics import CompositeHooks, PrometheusHooks
+
+    generous: DelayedQueue[Any] = DelayedQueue("bury", retry=ExponentialBackoff(max_attempts=5))
+    strict: DelayedQueue[Any] = DelayedQueue("bury", retry=ExponentialBackoff(max_attempts=1))
+    now = utcnow()
+    with backend.Session() as s, s.begin():
+        generous.offer(s, "ok", {"n": 0}, now - timedelta(seconds=30))
+        generous.offer(s, "used-up", {"n": 1}, now - timedelta(seconds=20))
+        generous.offer(s, "poison", {"n": 2}, now - timedelta(seconds=10))
+        generous.offer(s, "after", {"n": 3}, now - timedelta(seconds=5))
+        s.execute(
+            sa.update(cast(sa.Table, DelayedMessage.__table__))
+            .where(DelayedMessage.__table__.c.key == "poison")
+            .values(payload_type="other")
+        )
+    with backend.Session() as s, s.begin():
+        envs = generous.try_poll_many(s, 2)
+        assert [e.key for e in envs] == ["ok", "used-up"]
+        assert generous.nack(s, envs[1], "boom", now - timedelta(seconds=20)) is (
+            NackOutcome.RETRY_SCHEDULED
+        )
+        assert generous.release(s, envs[0])
+    got: list[str] = []
+    hooks = RecordingHooks()
+    registry = CollectorRegistry()
+    both = CompositeHooks(hooks, PrometheusHooks(registry))
+    worker = make_worker(backend, concurrency=1, poll_interval=0.1, listen=False, hooks=both)
+    worker.register(
+        strict,
+        (lambda env: got.append(env.key))
+        if mode == "lease"
+        else (lambda env, s: got.append(env.key)),
+        mode=mode,
+    )
+    with running(worker):
+        assert wait_for(lambda: len(got) == 2 and len(hooks.buried_) == 2, 30, 0.05)
+    assert sorted(got) == ["after", "ok"]
+    assert hooks.failed_ == []
+    buried = sorted(b for _, b in hooks.buried_)
+    assert [(b.queue, b.key) for b in buried] == [("bury", "poison"), ("bury", "used-up")]
+    assert "DecodeError" in buried[0].error
+    assert buried[1].error.startswith("no attempt left: 1 attempts were counted")
+    assert all(q == "bury" for q, _ in hooks.buried_)
+    assert registry.get_sample_value("delayedq_dead_total", {"queue": "bury"}) == 2
+    assert registry.get_sample_value("delayedq_failed_total", {"queue": "bury"}) is None
+    with backend.Session() as s:
+        assert strict.counts(s).dead == 2
 
 
 @pytest.mark.parametrize("mode", MODES)

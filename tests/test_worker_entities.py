@@ -110,6 +110,44 @@ def test_an_entity_whose_lease_ran_out_is_redelivered_as_an_attempt(db, make_wor
         assert order is not None and order.queue_attempts == 2
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_an_entity_whose_last_lease_ran_out_is_failed_at_the_take_and_the_hooks_hear_it(
+    db, make_worker, mode
+):
+    """Its one attempt was lost with its consumer: the take marks it failed without running
+    the handler, and tells the worker's hooks (``buried``), as for a message."""
+    from sqla_delayedq import Buried
+    from sqla_delayedq.worker import WorkerHooks
+
+    class Hooks(WorkerHooks):
+        def __init__(self) -> None:
+            self.buried_: list[tuple[str, Buried]] = []
+
+        def buried(self, queue: str, buried: Buried) -> None:
+            self.buried_.append((queue, buried))
+
+    queue = EntityQueue(Order, lease=timedelta(seconds=1), retry=ExponentialBackoff(max_attempts=1))
+    [order_id] = add_scheduled(db, queue, 1)
+    with db.Session() as s, s.begin():  # a consumer takes it and is never heard of again
+        assert len(queue.try_poll_many(s, 1)) == 1
+    time.sleep(1.2)
+    ran: list[int] = []
+    hooks = Hooks()
+    worker = make_worker(db, concurrency=1, poll_interval=0.1, listen=False, hooks=hooks)
+    worker.register(
+        queue,
+        (lambda env: ran.append(1)) if mode == "lease" else (lambda env, s: ran.append(1)),
+        mode=mode,
+    )
+    with running(worker):
+        assert wait_for(lambda: len(hooks.buried_) == 1, 10)
+    ((name, buried),) = hooks.buried_
+    assert (name, buried.queue, buried.key) == (queue.name, queue.name, str(order_id))
+    assert "lease ran out without an ack on 1 attempts" in buried.error
+    assert ran == []
+    assert counts(db, queue).failed == 1
+
+
 def test_an_entity_take_whose_commit_reply_was_lost_runs_its_handler_once(db, make_worker):
     """The take commits, its reply is lost: the entity stayed leased under a token nobody held,
     then the lost lease counted as its one attempt and it failed unhandled. The worker reads
