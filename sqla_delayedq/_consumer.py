@@ -32,7 +32,7 @@ from . import _planner, _skew, controls
 from . import _statements as st
 from ._dialects import TAKE_ONLY, Listener, is_transient, strategy_class
 from ._handlers import check_arity, check_transactional, is_cancellation, is_interruption
-from ._leases import BURIED, Ahead, LeasedQueue, Polled, TakeUnsure, leases_apart
+from ._leases import BURIED, FUSED, Ahead, LeasedQueue, Polled, TakeUnsure, leases_apart
 from ._time import Clock, require_duration, require_lease
 from ._types import Buried, Envelope, NackOutcome, QueueName
 from ._wakeup import Wake
@@ -243,6 +243,10 @@ class Source(Protocol):
         self, session: Session, n: int, *, lease: timedelta | None = None
     ) -> Polled[Any]: ...
     def ack(self, session: Session, envelope: Envelope[Any]) -> bool: ...
+    def ack_and_poll(
+        self, session: Session, envelope: Envelope[Any], n: int, lease: timedelta
+    ) -> tuple[bool, Polled[Any]] | None: ...
+    def release_fused(self, session: Session, prefix: str, until: datetime) -> int: ...
     def ack_many(self, session: Session, envelopes: Sequence[Envelope[Any]]) -> int: ...
     def nack(
         self,
@@ -1127,6 +1131,10 @@ class BaseWorker(Generic[S]):
         its own, retried as usual, and the take is left to the consumer's loop. When it fails
         at its commit, which may have happened, what it took tells whether it did (see
         :meth:`_took`): if so, the consumer goes on with them."""
+        if then and not self.rt.stopping and len(envs) == 1:
+            fused = self._ack_fused(reg, envs[0], then)
+            if fused is not None:
+                return fused
         if then and not self.rt.stopping:
             committing = False
             taken: tuple[list[Envelope[Any]], Taken] = ([], Taken(0, False, None))
@@ -1160,6 +1168,81 @@ class BaseWorker(Generic[S]):
             return acked, taken
         return self._settle(reg, envs[0], "ack", envs) or 0, None
 
+    def _ack_fused(
+        self, reg: Registration, env: Envelope[Any], then: int
+    ) -> tuple[int, tuple[list[Envelope[Any]], Taken] | None] | None:
+        """:meth:`_ack` of one envelope in one statement that commits on its own, where its
+        source allows (see ``LeasedQueue.ack_and_poll``); None where it does not, before
+        anything ran. The statement commits durably, as an acknowledgement must.
+
+        When the statement fails, it may have committed (the connection lost after it was
+        sent): what it may have taken is given back, due at once and uncounted (found by its
+        lock tokens' prefix and its lease end), and the acknowledgement is made on its own, as
+        after a failed commit of :meth:`_ack`'s transaction. A failure after it returned (the
+        session's own commit) loses nothing: it committed, and what it took is known (read
+        back as :meth:`_took` does)."""
+        got: tuple[bool, Polled[Any]] | None = None
+        s = self.rt.session()
+        try:
+            with s:
+                s.connection(execution_options={"isolation_level": "AUTOCOMMIT"})
+                got = reg.source.ack_and_poll(s, env, then, reg.lease)
+                if got is None:
+                    return None
+                s.commit()  # ends SQLAlchemy's transaction object: the statement committed
+            self._report_buried(reg, s)
+        except Exception as exc:
+            if got is None:
+                return self._unfused(reg, env, s.info.get(FUSED), exc)
+            took = got[1].envelopes and self._took(reg, got[1].envelopes, exc, "handling them")
+            self.hooks.db_error(exc)
+            got = got[0], got[1]._replace(envelopes=list(took or []))
+        acked, polled = got
+        if not acked:
+            # Refused: its lease was lost, or an offer updated the message meanwhile, which
+            # then holds it for this delivery: the settle alone ends the hold (see
+            # LeasedQueue._settle_held), in a transaction of its own.
+            acked = bool(self._settle(reg, env, "ack", [env]))
+        envs = polled.envelopes
+        if polled.more:  # a plain queue: chainable
+            taken = Taken(len(envs), True, None, True)
+        else:  # the statement read when the next row is due
+            taken = Taken(len(envs), False, self._due_in(reg, polled.ahead.next_at))
+        # In flight from the commit on, so a stop that comes first releases them.
+        self._in_flight.add(reg, *envs)
+        return int(acked), (envs, taken)
+
+    def _unfused(
+        self,
+        reg: Registration,
+        env: Envelope[Any],
+        sent: tuple[str, datetime] | None,
+        error: Exception,
+    ) -> tuple[int, None]:
+        """After :meth:`_ack_fused` failed (``sent``: its statement's take prefix and lease
+        end; None: the statement was never sent): give back what it may have taken, and
+        acknowledge alone (retried as a settle is)."""
+        if retryable(error):
+            self._db_error(error)
+        else:
+            log.warning(
+                "acknowledging and taking on %s failed; acknowledging alone: %s",
+                reg.source.name,
+                error,
+            )
+        if sent is None:
+            return self._settle(reg, env, "ack", [env]) or 0, None
+        if self._settle(reg, env, "give back", sent):
+            # It took rows, so it committed, the acknowledgement with them.
+            log.warning(
+                "acknowledging and taking on %s committed, though it raised (%s): the "
+                "messages it took are due again",
+                reg.source.name,
+                error,
+            )
+            return 1, None
+        return self._settle(reg, env, "ack", [env], after_failure=True) or 0, None
+
     @staticmethod
     def _acknowledge(s: Session, reg: Registration, envs: Sequence[Envelope[Any]]) -> int:
         """Acknowledge ``envs`` in ``s``; how many were (a lease that ran out is not)."""
@@ -1192,6 +1275,7 @@ class BaseWorker(Generic[S]):
             "nack": lambda s: source.nack(s, env, arg),
             "release": lambda s: source.release(s, env, at=arg),
             "record": lambda s: source.record_failure(s, env, arg),
+            "give back": lambda s: source.release_fused(s, *arg),
         }
         op = ops[what]
         delay = 0.05

@@ -358,6 +358,25 @@ class Strategy(abc.ABC):
         meanwhile (SQLite has one writer)."""
         return None
 
+    def ack_and_claim(
+        self,
+        session: Session,
+        t: Table,
+        ack: dict[str, Any],
+        queue: str,
+        now: datetime,
+        lease_until: datetime,
+        limit: int,
+        prefix: str,
+    ) -> tuple[int, Claims] | None:
+        """Acknowledge one taken message and take the next due ones of a plain queue (no
+        groups, priorities or controls) in one statement that commits on its own, where the
+        backend has one (see :func:`st.ack_and_claim`): how many rows the acknowledgement
+        matched, and the take. ``ack``: the parameters of the ``ack`` settle (``s_id``,
+        ``s_token``), or of ``done`` with ``s_now`` for a queue with retention. None: not
+        here (the caller acknowledges and takes in a transaction)."""
+        return None
+
     def claim(
         self,
         session: Session,
@@ -635,6 +654,10 @@ class PostgreSQLStrategy(Strategy):
             ),
         )
         rows = session.execute(stmt, P.take(queue, now, lease_until, limit, prefix)).all()
+        return self._claims(rows, limit, ahead)
+
+    @staticmethod
+    def _claims(rows: Sequence[Any], limit: int, ahead: bool) -> Claims:
         claimed = [
             Claimed(r, lost_token(r.prev_token), r.prev_scheduled_at, held_due(r.prev_token))
             for r in rows
@@ -644,6 +667,26 @@ class PostgreSQLStrategy(Strategy):
         if ahead and rows and not more:
             return Claims(claimed, more, True, rows[0].next_at)
         return Claims(claimed, more)
+
+    def ack_and_claim(
+        self,
+        session: Session,
+        t: Table,
+        ack: dict[str, Any],
+        queue: str,
+        now: datetime,
+        lease_until: datetime,
+        limit: int,
+        prefix: str,
+    ) -> tuple[int, Claims] | None:
+        done = "s_now" in ack
+        stmt = self.cached(t, f"ack_and_claim:{done}", lambda: st.ack_and_claim(t, done))
+        params = {**P.take(queue, now, lease_until, limit, prefix), **ack}
+        rows = session.execute(stmt, params).all()
+        claims = self._claims([r for r in rows if r.id is not None], limit, False)
+        if not claims.more:
+            claims = claims._replace(seen=True, next_at=rows[0].next_at)
+        return int(rows[0].acked), claims
 
     @staticmethod
     def after_second(text: ColumnElement[str], mark: str) -> ColumnElement[str]:

@@ -19,6 +19,7 @@ from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any, Generic, NamedTuple, TypeVar
 
+from sqlalchemy import update
 from sqlalchemy.orm import Session
 
 from . import _statements as st
@@ -49,6 +50,7 @@ log = logging.getLogger("sqla_delayedq.worker")
 
 __all__ = [
     "BURIED",
+    "FUSED",
     "UNSEEN",
     "Ahead",
     "LeaseLost",
@@ -76,6 +78,10 @@ class Ahead(NamedTuple):
 
 UNSEEN = Ahead(False, None)
 
+
+#: ``Session.info`` key: (prefix, lease end) of an :meth:`LeasedQueue.ack_and_poll` whose
+#: statement has not returned; left there when it raised.
+FUSED = "sqla_delayedq.fused"
 
 #: ``Session.info`` key: the messages the session's transaction buried at a take, a list of
 #: :class:`~sqla_delayedq.Buried`. A worker reports them to its hooks once that transaction
@@ -183,6 +189,12 @@ class LeasedQueue(abc.ABC, Generic[T]):
     ) -> Claims:
         """Pick up to ``limit`` due rows (skipping rows other consumers hold) and take them,
         and say whether more was due."""
+
+    def _ack_params(self, envelope: Envelope[Any]) -> dict[str, Any] | None:
+        """The parameters of a plain queue's acknowledgement, for
+        :meth:`~sqla_delayedq._dialects.Strategy.ack_and_claim`; None: the queue's takes cannot
+        be fused with it (groups, priorities, an entity queue)."""
+        return None
 
     @abc.abstractmethod
     def _payload(self, claimed: Claimed) -> T:
@@ -302,6 +314,62 @@ class LeasedQueue(abc.ABC, Generic[T]):
                 ahead = Ahead(True, claims.next_at) if claims.seen else UNSEEN
                 break
         return Polled(envelopes, more, ahead=ahead)
+
+    def ack_and_poll(
+        self, session: Session, envelope: Envelope[Any], n: int, lease: timedelta
+    ) -> tuple[bool, Polled[T]] | None:
+        """Acknowledge ``envelope`` and take up to ``n`` more in one statement that commits on
+        its own, where the backend and the queue allow it (a plain queue on PostgreSQL, see
+        :func:`~sqla_delayedq._statements.ack_and_claim`); ``session`` must be on an
+        autocommit connection. Whether the acknowledgement matched, and what was taken; None
+        when not allowed here, before anything ran (acknowledge and take in a transaction).
+
+        The take's prefix and lease end are in ``session.info`` under :data:`FUSED` until the
+        statement returned: after a failure that may have committed, :meth:`release_fused`
+        gives back what it took."""
+        params = self._ack_params(envelope)
+        if params is None or not envelope.lock_token:
+            return None
+        fresh, controls = ctl.known(session, self.wake_key, self.name)
+        if not fresh or controls is not None:
+            return None  # a read, or controls to apply: only a transaction's take does that
+        now = self.now()
+        until, prefix = now + lease, secrets.token_hex(12) + "."
+        session.info[FUSED] = (prefix, until)
+        got = strategy_for(session).ack_and_claim(
+            session, self.shape.table, params, self.name, now, until, n, prefix
+        )
+        if got is None:
+            del session.info[FUSED]
+            return None
+        acked, claims = got
+        envelopes = []
+        for c in claims.claimed:
+            taken = self._deliver(session, c, now)
+            if taken is not None:
+                envelopes.append(taken)
+        del session.info[FUSED]  # from here on nothing can fail: what it took is delivered
+        buried = len(envelopes) < len(claims.claimed)
+        ahead = Ahead(True, claims.next_at) if claims.seen and not buried else UNSEEN
+        # Some buried: more may be due behind them (a short take otherwise means none is).
+        return acked > 0, Polled(envelopes, claims.more or buried, ahead=ahead)
+
+    @transient_as_ours
+    def release_fused(self, session: Session, prefix: str, until: datetime) -> int:
+        """Give back, due at once and uncounted, what a take of :meth:`ack_and_poll` with
+        ``prefix`` and lease end ``until`` holds, if it committed: its statement failed
+        without a reply. How many rows it gave back."""
+        shape = self.shape
+        stmt = (
+            update(shape.table)
+            .where(
+                st.due_filter(shape, self.name, until),
+                shape.due == until,
+                shape.token.startswith(prefix, autoescape=True),
+            )
+            .values({shape.token: None, shape.due: self.now()})
+        )
+        return st.affected(session, stmt)
 
     def _deliver(self, session: Session, claimed: Claimed, now: datetime) -> Envelope[T] | None:
         row = claimed.row

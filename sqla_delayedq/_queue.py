@@ -303,6 +303,14 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
 
     # -- settle --------------------------------------------------------------------------
 
+    def _ack_params(self, envelope: Envelope[Any]) -> dict[str, Any] | None:
+        if self.grouping is not None or self.priorities:
+            return None  # their takes are not the plain claim
+        params = {"s_id": envelope.id, "s_token": envelope.lock_token}
+        if self.retention is not None:
+            params["s_now"] = self.now()
+        return params
+
     def _ack(self, session: Session, envelope: Envelope[Any]) -> bool:
         """Delete the message, or mark it done when the queue keeps acknowledged messages."""
         if self.retention is None:

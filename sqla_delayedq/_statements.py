@@ -445,6 +445,7 @@ def claim_returning(
     relaxed: bool = False,
     hold: GroupLock | None = None,
     ahead: bool = False,
+    exclude: Any = None,
 ) -> Update:
     """PostgreSQL: pick with ``SKIP LOCKED`` and take in one statement.
 
@@ -466,9 +467,15 @@ def claim_returning(
     With ``ahead`` the statement also returns ``next_at``: :func:`next_due` read in its own
     snapshot, so it does not see the rows it takes (an idle consumer then knows how long to
     sleep without a statement to ask; one uncorrelated subquery, evaluated once).
+
+    ``exclude``: a row id never picked (the row :func:`ack_and_claim` acknowledges in the same
+    statement; one statement must not change a row twice).
     """
     shape = message_shape(t)
     held = hold is not None and grouping is not None
+    due = take_filter(t, queue, now, grouping, boosted)
+    if exclude is not None:
+        due = and_(due, t.c.id != exclude)
     picked = (
         select(
             row_tid(t).label("row_tid"),
@@ -478,7 +485,7 @@ def claim_returning(
             t.c.priority.label("prio"),
             *([t.c.queue.label("q"), t.c.group_key.label("g")] if held else []),
         )
-        .where(take_filter(t, queue, now, grouping, boosted))
+        .where(due)
         .order_by(*take_order(t, boosted))
         .limit(limit + 1)
         .with_for_update(skip_locked=True)
@@ -513,6 +520,33 @@ def claim_returning(
             ),
             *([next_due(shape, queue, now).scalar_subquery().label("next_at")] if ahead else []),
         )
+    )
+
+
+def ack_and_claim(t: Table, done: bool) -> Select[Any]:
+    """PostgreSQL: acknowledge one taken message (by id and lock token, as :func:`settle`
+    ``ack``, or ``done`` for a queue with retention) and take the next due ones (as
+    :func:`claim_returning` with ``ahead``), in one statement: a consumer in lease mode that
+    runs it in autocommit pays one round trip and one commit per message instead of
+    ``BEGIN``, ack, take, ``COMMIT``.
+
+    One row per taken message, or one row of NULLs when none was; each carries ``acked``, the
+    number of rows the acknowledgement matched (0 or 1), and ``next_at``, when the queue's next
+    row is due (as ``ahead`` reads it, taken rows and the acknowledged one left out). The take
+    never picks the acknowledged row: one statement must not change a row twice (whichever
+    change won would be unknown). Both changes commit together, durably, as the
+    acknowledgement must.
+    """
+    shape = message_shape(t)
+    acked = settle(shape, "done" if done else "ack").returning(shape.id).cte("acked")
+    s_id = bindparam("s_id", type_=shape.id.type)
+    taken = claim_returning(t, P.queue, P.now, P.until, P.limit, P.prefix, exclude=s_id).cte(
+        "taken"
+    )
+    count = select(func.count().label("acked")).select_from(acked).subquery("ack_count")
+    next_at = next_due(shape, P.queue, P.now).where(shape.id != s_id).scalar_subquery()
+    return select(count.c.acked, next_at.label("next_at"), *taken.c).select_from(
+        count.outerjoin(taken, true())
     )
 
 

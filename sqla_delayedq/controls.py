@@ -177,6 +177,13 @@ def lookup(session: Session, table: str, queue: str) -> QueueControls | None:
     return None if queues is None else queues.get(queue)
 
 
+def known(session: Session, table: str, queue: str) -> tuple[bool, QueueControls | None]:
+    """:func:`lookup` without a read: ``(True, controls or None)`` while this process's picture
+    of ``table`` is fresh, ``(False, None)`` when only a read would tell (for a statement that
+    runs outside a transaction, where :func:`lookup`'s savepoint cannot)."""
+    return _peek(session.get_bind().engine, table, queue)
+
+
 def _peek(engine: Engine, table: str, queue: str) -> tuple[bool, QueueControls | None]:
     """``(True, controls or None)`` when this process's picture of ``table`` is fresh enough
     to use without reading; ``(False, None)`` when it must be read again."""

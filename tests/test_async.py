@@ -63,6 +63,8 @@ NOT_WRAPPED = {
     "gate": "the worker's in-memory view of the controls",
     "poll_batch": "the worker's form of try_poll_many",
     "process_next": "the worker's form of process_one",
+    "ack_and_poll": "the worker's acknowledgement that takes the next, on an autocommit session",
+    "release_fused": "the worker's recovery after ack_and_poll failed",
 }
 
 

@@ -45,6 +45,38 @@ def test_poll_uses_the_due_index_with_10000_rows(pg, make_queue, clock):
         assert "Seq Scan" not in plan, plan
 
 
+def test_the_ack_that_takes_the_next_uses_the_primary_key_and_the_due_index(pg, make_queue, clock):
+    """The lease-mode statement that acknowledges and takes (``ack_and_claim``): the pick is a
+    range scan of the due index, the acknowledgement an index look-up (by id or by lock token),
+    with 10,000 rows."""
+    queues = [make_queue(f"q{i}") for i in range(5)]
+    now = clock()
+    with pg.Session() as s, s.begin():
+        for q in queues:
+            q.offer_batch(
+                s, [(f"k{i}", {"i": i}, now + timedelta(seconds=i - 1000)) for i in range(2000)]
+            )
+    for done in (False, True):
+        stmt = st.ack_and_claim(T, done)
+        with pg.engine.connect() as conn:
+            conn.exec_driver_sql("ANALYZE delayed_queue")
+            compiled = stmt.compile(dialect=conn.dialect)
+            params = {
+                **compiled.params,
+                **st.P.take("q3", now, now + timedelta(minutes=5), 1, "tok."),
+                "s_id": 17,
+                "s_token": "tok.17",
+                **({"s_now": now} if done else {}),
+            }
+            plan = "\n".join(
+                conn.exec_driver_sql("EXPLAIN " + compiled.string, params).scalars().all()
+            )
+        assert "ix_delayed_queue_due" in plan, plan
+        acked = r"CTE acked\n\s+->  (Delete|Update) on delayed_queue.*\n\s+->  Index Scan using "
+        assert re.search(acked + r"(delayed_queue_pkey|ix_delayed_queue_lock_token)", plan), plan
+        assert "Seq Scan" not in plan, plan
+
+
 def test_in_flight_count_reads_only_leased_rows(pg, make_queue, clock):
     """A limited queue's take counts unexpired leases: on ``ix_delayed_queue_lock_token``, which
     holds only leased rows (``delayedq_0007``), or on the due index past ``now`` (a lease is

@@ -48,6 +48,7 @@ from sqla_delayedq.testing import (
     drain_async,
 )
 from sqla_delayedq.worker import Worker, WorkerHooks
+from tests.fix_queue import record_sql
 from tests.fix_workers import AsyncRunner, losing_a_commit_reply, running, stopped_by, waiting
 
 MODES = ("lease", "transactional")
@@ -1638,6 +1639,7 @@ def test_a_chained_take_failing_before_its_commit_logs_no_unknown_outcome(
         return real(session, n, **kw)
 
     q.poll_batch = flaky  # type: ignore[method-assign]
+    unfused(q)
 
     def handler(env: Envelope[Any]) -> None:
         if env.key == "m0" and env.payload == {"v": 1}:
@@ -1955,9 +1957,89 @@ def takes_in_acks(q: DelayedQueue[Any]) -> list[int]:
             chained.append(1)
         return poll_batch(session, n, **kw)
 
+    fused = q.ack_and_poll
+
+    def fused_take(session: Session, envelope: Any, n: int, lease: Any) -> Any:
+        got = fused(session, envelope, n, lease)
+        if got is not None:  # one statement acknowledged and took (PostgreSQL)
+            chained.append(1)
+        return got
+
     q.ack = acked  # type: ignore[method-assign]
     q.poll_batch = polled  # type: ignore[method-assign]
+    q.ack_and_poll = fused_take  # type: ignore[method-assign]
     return chained
+
+
+def unfused(q: DelayedQueue[Any]) -> None:
+    """Chain takes to acknowledgements in a transaction, as on every backend but PostgreSQL
+    (where one statement does both, see ``LeasedQueue.ack_and_poll``): for the tests of that
+    transaction's faults."""
+    q.ack_and_poll = lambda *args: None  # type: ignore[method-assign]
+
+
+def test_on_postgresql_one_statement_acknowledges_and_takes_the_next(pg):
+    """Lease mode, batches of one: each acknowledgement and the take after it are one
+    autocommit statement (one round trip and one commit per message, instead of ``BEGIN``,
+    ack, take, ``COMMIT``)."""
+    total = 10
+    q: DelayedQueue[Any] = DelayedQueue("fused")
+    with pg.Session() as s, s.begin():
+        q.offer_batch(s, [(f"m{i}", {"i": i}) for i in range(total)])
+    handled: list[str] = []
+    worker = Worker(pg.Session, concurrency=1, poll_interval=30, listen=False)
+    worker.register(q, lambda env: handled.append(env.key), mode="lease")
+    with record_sql(pg.engine) as sql, running(worker):
+        assert wait_for(lambda: len(handled) == total and pending(pg, q) == 0, 30)
+    assert sorted(handled) == sorted(f"m{i}" for i in range(total))
+    fused = [x for x in sql if x.lstrip().startswith("WITH acked AS")]
+    alone = [x for x in sql if x.lstrip().startswith("DELETE FROM delayed_queue")]
+    # The last acknowledgement follows a take that was not full (nothing more was due): alone.
+    assert (len(fused), len(alone)) == (total - 1, 1)
+
+
+@pytest.mark.parametrize("committed", [True, False])
+def test_a_fused_statement_that_failed_without_a_reply_loses_and_repeats_nothing(
+    pg, make_worker, committed, monkeypatch
+):
+    """The acknowledge-and-take statement raises as a lost connection does: it ran and
+    committed (``committed``) or it did not, and the worker cannot tell. What it may have taken
+    is given back at once, uncounted (left alone, it stayed leased under tokens nobody held,
+    then counted an attempt: dead, with one allowed), and the acknowledgement is made on its
+    own when it did not commit: every message handled once, none dead, every success
+    reported."""
+    real = PostgreSQLStrategy.ack_and_claim
+    fired: list[bool] = []
+
+    def lost(self: Any, *args: Any, **kw: Any) -> Any:
+        if not fired:
+            fired.append(True)
+            if committed:
+                real(self, *args, **kw)
+            raise TransientError("injected: the connection was lost")
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(PostgreSQLStrategy, "ack_and_claim", lost)
+    retry = ExponentialBackoff(max_attempts=1, initial=timedelta(hours=1), jitter=0)
+    q: DelayedQueue[Any] = DelayedQueue("fused-lost", lease=timedelta(minutes=5), retry=retry)
+    keys = [f"m{i}" for i in range(4)]
+    with pg.Session() as s, s.begin():
+        q.offer_batch(s, [(k, {}) for k in keys])
+    handled: list[str] = []
+    hooks = RecordingHooks()
+    worker = make_worker(
+        pg, concurrency=1, poll_interval=0.05, listen=False, keep_statistics=False, hooks=hooks
+    )
+    worker.register(q, lambda env: handled.append(env.key), mode="lease")
+    with running(worker):
+        assert wait_for(lambda: pending(pg, q) == 0, 30)
+    assert fired
+    assert sorted(handled) == keys  # each once: nothing waited for its lease to run out
+    assert sorted(k for _, k, _ in hooks.processed_) == keys
+    assert hooks.failed_ == [] and hooks.redelivered_ == [] and hooks.buried_ == []
+    assert len(hooks.db_errors) == 1
+    with pg.Session() as s:
+        assert q.counts(s).dead == 0
 
 
 @pytest.mark.parametrize("limited", [False, True])
@@ -2006,6 +2088,7 @@ def test_a_take_that_fails_after_an_ack_loses_neither_the_ack_nor_a_message(
         return real(session, n, **kw)
 
     q.poll_batch = flaky  # type: ignore[method-assign]
+    unfused(q)
     delivered: list[str] = []
     hooks = RecordingHooks()
     worker = make_worker(
