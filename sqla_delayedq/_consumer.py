@@ -553,6 +553,9 @@ class BaseWorker(Generic[S]):
         #: When the worker started (``time.time()``), None before.
         self.started_at: float | None = None
         self._in_flight = InFlight()
+        #: Whether the database has the statement that acknowledges and takes (see
+        #: :meth:`_ack_fused`); None until a session first says.
+        self._fused_ack: bool | None = None
         self._rt: Runtime | None = None
         self._started = False
         #: ``start``/``run`` was called: a worker starts once.
@@ -1181,8 +1184,15 @@ class BaseWorker(Generic[S]):
         after a failed commit of :meth:`_ack`'s transaction. A failure after it returned (the
         session's own commit) loses nothing: it committed, and what it took is known (read
         back as :meth:`_took` does)."""
+        if self._fused_ack is False:
+            return None
         got: tuple[bool, Polled[Any]] | None = None
         s = self.rt.session()
+        if self._fused_ack is None:
+            self._fused_ack = strategy_class(s.get_bind().dialect).fused_ack
+            if not self._fused_ack:
+                s.close()
+                return None
         try:
             with s:
                 s.connection(execution_options={"isolation_level": "AUTOCOMMIT"})

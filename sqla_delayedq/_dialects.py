@@ -157,6 +157,10 @@ class Strategy(abc.ABC):
     #: transaction costs the insert and ``COMMIT``; SQLite's writer lock is taken by ``BEGIN
     #: IMMEDIATE``.
     autocommit_offer: ClassVar[bool] = False
+    #: Whether :meth:`ack_and_claim` exists: a lease-mode acknowledgement that takes the next
+    #: message in one statement that commits on its own. Elsewhere the two share a transaction
+    #: (and the connection is never switched to autocommit, which costs PyMySQL two round trips).
+    fused_ack: ClassVar[bool] = False
     #: Whether a grouped take reads a group's leases in the group index's order (see
     #: :func:`st.group_head`).
     ordered_group_probe: ClassVar[bool] = True
@@ -514,6 +518,7 @@ class PostgreSQLStrategy(Strategy):
     max_params = 60_000
     has_notify = True
     autocommit_offer = True
+    fused_ack = True
     keeps_statistics = True
     sees_rows_of_awaited_transactions = False
     has_server_clock = True

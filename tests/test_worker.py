@@ -1998,6 +1998,30 @@ def test_on_postgresql_one_statement_acknowledges_and_takes_the_next(pg):
     assert (len(fused), len(alone)) == (total - 1, 1)
 
 
+def test_elsewhere_a_chained_acknowledgement_never_switches_to_autocommit(backend, make_worker):
+    """Only PostgreSQL has the one statement: elsewhere the connection is never switched to
+    autocommit for it (PyMySQL pays a round trip to turn it on and one to turn it off)."""
+    q: DelayedQueue[Any] = DelayedQueue("fused-where")
+    with backend.Session() as s, s.begin():
+        q.offer_batch(s, [(f"m{i}", {}) for i in range(5)])
+    switched: list[Any] = []
+
+    def spy(conn: Any, options: Any) -> None:
+        if options.get("isolation_level") == "AUTOCOMMIT":
+            switched.append(conn)
+
+    sa.event.listen(sa.engine.Engine, "set_connection_execution_options", spy)
+    try:
+        handled: list[str] = []
+        worker = make_worker(backend, concurrency=1, poll_interval=30, listen=False)
+        worker.register(q, lambda env: handled.append(env.key), mode="lease")
+        with running(worker):
+            assert wait_for(lambda: len(handled) == 5 and pending(backend, q) == 0, 30)
+    finally:
+        sa.event.remove(sa.engine.Engine, "set_connection_execution_options", spy)
+    assert bool(switched) == (backend.name == "postgresql"), switched
+
+
 @pytest.mark.parametrize("committed", [True, False])
 def test_a_fused_statement_that_failed_without_a_reply_loses_and_repeats_nothing(
     pg, make_worker, committed, monkeypatch
