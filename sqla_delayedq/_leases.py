@@ -315,6 +315,7 @@ class LeasedQueue(abc.ABC, Generic[T]):
                 break
         return Polled(envelopes, more, ahead=ahead)
 
+    @transient_as_ours
     def ack_and_poll(
         self, session: Session, envelope: Envelope[Any], n: int, lease: timedelta
     ) -> tuple[bool, Polled[T]] | None:

@@ -25,14 +25,19 @@ def explain(conn, stmt) -> str:
     return "\n".join(rows)
 
 
-def test_poll_uses_the_due_index_with_10000_rows(pg, make_queue, clock):
-    queues = [make_queue(f"q{i}") for i in range(5)]
+def fill_five_queues(pg, make_queue, clock) -> datetime:
+    """10,000 due rows: 2,000 in each of the queues q0 to q4. Returns the clock's time."""
     now = clock()
     with pg.Session() as s, s.begin():
-        for q in queues:
-            q.offer_batch(
+        for n in range(5):
+            make_queue(f"q{n}").offer_batch(
                 s, [(f"k{i}", {"i": i}, now + timedelta(seconds=i - 1000)) for i in range(2000)]
             )
+    return now
+
+
+def test_poll_uses_the_due_index_with_10000_rows(pg, make_queue, clock):
+    now = fill_five_queues(pg, make_queue, clock)
     with pg.engine.connect() as conn:
         conn.exec_driver_sql("ANALYZE delayed_queue")
         claim = st.claim_returning(T, "q3", now, now + timedelta(minutes=5), 1, "tok.")
@@ -45,17 +50,11 @@ def test_poll_uses_the_due_index_with_10000_rows(pg, make_queue, clock):
         assert "Seq Scan" not in plan, plan
 
 
-def test_the_ack_that_takes_the_next_uses_the_primary_key_and_the_due_index(pg, make_queue, clock):
+def test_the_ack_that_takes_the_next_uses_an_index_look_up_and_the_due_index(pg, make_queue, clock):
     """The lease-mode statement that acknowledges and takes (``ack_and_claim``): the pick is a
     range scan of the due index, the acknowledgement an index look-up (by id or by lock token),
     with 10,000 rows."""
-    queues = [make_queue(f"q{i}") for i in range(5)]
-    now = clock()
-    with pg.Session() as s, s.begin():
-        for q in queues:
-            q.offer_batch(
-                s, [(f"k{i}", {"i": i}, now + timedelta(seconds=i - 1000)) for i in range(2000)]
-            )
+    now = fill_five_queues(pg, make_queue, clock)
     for done in (False, True):
         stmt = st.ack_and_claim(T, done)
         with pg.engine.connect() as conn:
