@@ -1214,9 +1214,9 @@ class BaseWorker(Generic[S]):
             # LeasedQueue._settle_held), in a transaction of its own.
             acked = bool(self._settle(reg, env, "ack", [env]))
         envs = polled.envelopes
-        if polled.more:  # a plain queue: chainable
+        if polled.more:  # no controls: chainable
             taken = Taken(len(envs), True, None, True)
-        else:  # the statement read when the next row is due
+        else:  # when the next row is due, as the statement read it (with groups: unknown)
             taken = Taken(len(envs), False, self._due_in(reg, polled.ahead.next_at))
         # In flight from the commit on, so a stop that comes first releases them.
         self._in_flight.add(reg, *envs)

@@ -161,9 +161,6 @@ class Strategy(abc.ABC):
     #: message in one statement that commits on its own. Elsewhere the two share a transaction
     #: (and the connection is never switched to autocommit, which costs PyMySQL two round trips).
     fused_ack: ClassVar[bool] = False
-    #: Whether a grouped take reads a group's leases in the group index's order (see
-    #: :func:`st.group_head`).
-    ordered_group_probe: ClassVar[bool] = True
     #: Whether workers keep the planner's statistics of their tables fresh (``_planner``).
     keeps_statistics: ClassVar[bool] = False
     #: Whether ``UPDATE ... RETURNING`` exists.
@@ -299,7 +296,6 @@ class Strategy(abc.ABC):
                 grouping,
                 boosted,
                 self.group_hold(transactional),
-                self.ordered_group_probe,
             ),
         )
         return session.execute(stmt, P.take(queue, now, now, limit, "")).all()
@@ -372,13 +368,14 @@ class Strategy(abc.ABC):
         lease_until: datetime,
         limit: int,
         prefix: str,
+        grouping: st.Grouping = None,
     ) -> tuple[int, Claims] | None:
-        """Acknowledge one taken message and take the next due ones of a plain queue (no
-        groups, priorities or controls) in one statement that commits on its own, where the
-        backend has one (see :func:`st.ack_and_claim`): how many rows the acknowledgement
-        matched, and the take. ``ack``: the parameters of the ``ack`` settle (``s_id``,
-        ``s_token``), or of ``done`` with ``s_now`` for a queue with retention. None: not
-        here (the caller acknowledges and takes in a transaction)."""
+        """Acknowledge one taken message and take the next due ones of a queue without
+        priorities or controls in one statement that commits on its own, where the backend has
+        one (see :func:`st.ack_and_claim`): how many rows the acknowledgement matched, and the
+        take. ``ack``: the parameters of the ``ack`` settle (``s_id``, ``s_token``), or of
+        ``done`` with ``s_now`` for a queue with retention. None: not here (the caller
+        acknowledges and takes in a transaction)."""
         return None
 
     def claim(
@@ -683,13 +680,18 @@ class PostgreSQLStrategy(Strategy):
         lease_until: datetime,
         limit: int,
         prefix: str,
+        grouping: st.Grouping = None,
     ) -> tuple[int, Claims] | None:
         done = "s_now" in ack
-        stmt = self.cached(t, f"ack_and_claim:{done}", lambda: st.ack_and_claim(t, done))
+        stmt = self.cached(
+            t,
+            f"ack_and_claim:{done}:{grouping}",
+            lambda: st.ack_and_claim(t, done, grouping, self.group_hold(False)),
+        )
         params = {**P.take(queue, now, lease_until, limit, prefix), **ack}
         rows = session.execute(stmt, params).all()
         claims = self._claims([r for r in rows if r.id is not None], limit, False)
-        if not claims.more:
+        if not claims.more and grouping is None:
             claims = claims._replace(seen=True, next_at=rows[0].next_at)
         return int(rows[0].acked), claims
 
@@ -791,7 +793,6 @@ class MySQLStrategy(Strategy):
     max_params = 60_000
     update_returning = False
     delete_returning = False
-    ordered_group_probe = False
     offer_lock = None
     batch_lock = None
     has_server_clock = True

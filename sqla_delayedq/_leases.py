@@ -191,9 +191,9 @@ class LeasedQueue(abc.ABC, Generic[T]):
         and say whether more was due."""
 
     def _ack_params(self, envelope: Envelope[Any]) -> dict[str, Any] | None:
-        """The parameters of a plain queue's acknowledgement, for
+        """The parameters of a queue's acknowledgement, for
         :meth:`~sqla_delayedq._dialects.Strategy.ack_and_claim`; None: the queue's takes cannot
-        be fused with it (groups, priorities, an entity queue)."""
+        be fused with it (priorities, an entity queue)."""
         return None
 
     @abc.abstractmethod
@@ -320,7 +320,8 @@ class LeasedQueue(abc.ABC, Generic[T]):
         self, session: Session, envelope: Envelope[Any], n: int, lease: timedelta
     ) -> tuple[bool, Polled[T]] | None:
         """Acknowledge ``envelope`` and take up to ``n`` more in one statement that commits on
-        its own, where the backend and the queue allow it (a plain queue on PostgreSQL, see
+        its own, where the backend and the queue allow it (PostgreSQL, a queue without
+        priorities or controls, see
         :func:`~sqla_delayedq._statements.ack_and_claim`); ``session`` must be on an
         autocommit connection. Whether the acknowledgement matched, and what was taken; None
         when not allowed here, before anything ran (acknowledge and take in a transaction).
@@ -338,7 +339,7 @@ class LeasedQueue(abc.ABC, Generic[T]):
         until, prefix = now + lease, secrets.token_hex(12) + "."
         session.info[FUSED] = (prefix, until)
         got = strategy_for(session).ack_and_claim(
-            session, self.shape.table, params, self.name, now, until, n, prefix
+            session, self.shape.table, params, self.name, now, until, n, prefix, self.grouping
         )
         if got is None:
             del session.info[FUSED]

@@ -304,8 +304,8 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
     # -- settle --------------------------------------------------------------------------
 
     def _ack_params(self, envelope: Envelope[Any]) -> dict[str, Any] | None:
-        if self.grouping is not None or self.priorities:
-            return None  # their takes are not the plain claim
+        if self.priorities:
+            return None  # a take of boosted messages first, then the rest: two statements
         params = {"s_id": envelope.id, "s_token": envelope.lock_token}
         if self.retention is not None:
             params["s_now"] = self.now()

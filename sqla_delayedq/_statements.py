@@ -218,13 +218,18 @@ def group_head(
     grouping: Grouping,
     now: Any,
     hold: GroupLock | None = None,
-    ordered: bool = True,
 ) -> ColumnElement[bool]:
     """A row that may be taken under its group's order: no group, or (1) no message of its
     group before it (by first schedule, then id) that is still pending (in flight, due,
     scheduled or waiting for a retry) or, with ``dead_blocks``, dead, and (2) no message of its
     group in flight: held under a lease that has not run out, or (with ``hold``) taken by a
-    transaction still open. A probe of the ``group`` index each, the second only for a head.
+    transaction still open.
+
+    Its cost: the groups under a lease are read once per statement (the lock-token index holds
+    only rows under a lease, in every queue of the table) and hashed, so the messages waiting
+    behind a head in flight cost a hash look-up each; each other row of a group costs a probe of
+    the ``group`` index for (1). Messages due at once and in a row per group (a burst) put up
+    to ``group size - 1`` rows behind each head in flight, all of which the take walks past.
 
     Why (1) is exact under racing consumers: a message stays pending from its offer until it
     is acknowledged, so the message after it is not a head while it is taken, whatever its lock.
@@ -268,35 +273,31 @@ def group_head(
         .limit(1)
         .scalar_subquery()
     )
-    # A lease of the group that has not run out (the row itself is due, so never counts), by
-    # the group index or the lock-token index (the rows under a lease), per head: an EXISTS
-    # would let PostgreSQL hash one read of every lease in the table, a scan of the whole table
-    # when the statistics are stale. With ``ordered`` (PostgreSQL, SQLite) in the group index's
-    # order, for the reason above: unordered, statistics that say the queue is nearly empty
-    # sent the probe through the due index, every row of the queue per head. Without (MariaDB),
-    # whose optimizer answers that order by walking the whole group index.
+    # The groups under a lease that has not run out (a row due now never counts), read once per
+    # statement: not correlated with the row, so PostgreSQL hashes it, MariaDB materialises it
+    # and SQLite builds a transient table. Every queue's leases, as pairs: a condition on the
+    # queue would let a planner with stale statistics read the queue's rows through the due or
+    # group index; with none, the only index the read can use is the lock-token index (the rows
+    # under a lease; partial on PostgreSQL and SQLite). InnoDB's estimate of that range can be
+    # half the table right after the leases were written, so MariaDB/MySQL are told the index.
+    # A group key of None in it matches nothing.
     leased = t.alias("leased")
-    leases = select(leased.c.id).where(
-        leased.c.queue == t.c.queue,
-        leased.c.group_key == t.c.group_key,
-        leased.c.group_key.is_not(None),
-        leased.c.status == "pending",
+    busy = select(leased.c.queue, leased.c.group_key).where(
         leased.c.lock_token.is_not(None),
-        # Not a range of the due index, which would walk every scheduled row of the queue.
+        leased.c.status == "pending",
         func.coalesce(leased.c.scheduled_at, now) > now,
     )
-    if ordered:
-        leases = leases.order_by(
-            leased.c.queue,
-            leased.c.group_key,
-            leased.c.scheduled_at_initially,
-            leased.c.id,
-        )
-    busy = leases.limit(1).scalar_subquery().is_not(None)
-    free: ColumnElement[bool] = ~busy
-    if hold is not None:
-        free = case((busy, false()), else_=hold(t.c.queue, t.c.group_key))
-    return or_(t.c.group_key.is_(None), case((first == t.c.id, free), else_=false()))
+    for index in t.indexes:
+        if index.name and [c.name for c in index.columns] == ["lock_token"]:
+            for dialect in ("mysql", "mariadb"):
+                busy = busy.with_hint(leased, f"FORCE INDEX (`{index.name}`)", dialect)
+    free: ColumnElement[bool] = true() if hold is None else hold(t.c.queue, t.c.group_key)
+    head = case(
+        (tuple_(t.c.queue, t.c.group_key).in_(busy), false()),
+        (first == t.c.id, free),
+        else_=false(),
+    )
+    return or_(t.c.group_key.is_(None), head)
 
 
 def take_filter(
@@ -306,11 +307,10 @@ def take_filter(
     grouping: Grouping,
     boosted: bool,
     hold: GroupLock | None = None,
-    ordered: bool = True,
 ) -> ColumnElement[bool]:
     """What a take may pick: due, the head of its group (a queue with groups; see
-    :func:`group_head` for ``hold`` and ``ordered``), and with ``boosted`` a priority above 0."""
-    head = group_head(t, grouping, now, hold, ordered)
+    :func:`group_head` for ``hold``), and with ``boosted`` a priority above 0."""
+    head = group_head(t, grouping, now, hold)
     cond = and_(due_filter(message_shape(t), queue, now), head)
     return and_(cond, t.c.priority > 0) if boosted else cond
 
@@ -332,13 +332,12 @@ def select_due(
     grouping: Grouping = None,
     boosted: bool = False,
     hold: GroupLock | None = None,
-    ordered: bool = True,
 ) -> Select[Any]:
     """Due messages of one queue in schedule order: a range scan of the ``due`` index (heads
     of their groups only, when the queue has groups; see :func:`take_filter`)."""
     stmt = (
         select(*columns(t, TAKE_COLUMNS))
-        .where(take_filter(t, queue, now, grouping, boosted, hold, ordered))
+        .where(take_filter(t, queue, now, grouping, boosted, hold))
         .order_by(*take_order(t, boosted))
         .limit(limit)
     )
@@ -523,31 +522,37 @@ def claim_returning(
     )
 
 
-def ack_and_claim(t: Table, done: bool) -> Select[Any]:
+def ack_and_claim(
+    t: Table, done: bool, grouping: Grouping = None, hold: GroupLock | None = None
+) -> Select[Any]:
     """PostgreSQL: acknowledge one taken message (by id and lock token, as :func:`settle`
     ``ack``, or ``done`` for a queue with retention) and take the next due ones (as
-    :func:`claim_returning` with ``ahead``), in one statement: a consumer in lease mode that
-    runs it in autocommit pays one round trip and one commit per message instead of
-    ``BEGIN``, ack, take, ``COMMIT``.
+    :func:`claim_returning`, with ``grouping`` and ``hold``), in one statement: a consumer in
+    lease mode that runs it in autocommit pays one round trip and one commit per message
+    instead of ``BEGIN``, ack, take, ``COMMIT``.
 
     One row per taken message, or one row of NULLs when none was; each carries ``acked``, the
-    number of rows the acknowledgement matched (0 or 1), and ``next_at``, when the queue's next
-    row is due (as ``ahead`` reads it, taken rows and the acknowledged one left out). The take
-    never picks the acknowledged row: one statement must not change a row twice (whichever
-    change won would be unknown). Both changes commit together, durably, as the
+    number of rows the acknowledgement matched (0 or 1), and, for a queue without groups,
+    ``next_at``, when the queue's next row is due (as ``ahead`` reads it, taken rows and the
+    acknowledged one left out; with groups, a due row need not be one a take may pick). The
+    take never picks the acknowledged row: one statement must not change a row twice
+    (whichever change won would be unknown). Both changes commit together, durably, as the
     acknowledgement must.
+
+    With groups the take reads the statement's snapshot, in which the acknowledged message is
+    still pending under its lease: its group's next message is not taken by this statement
+    (it is by the next take, as by any take that began before the acknowledgement committed).
     """
     shape = message_shape(t)
     acked = settle(shape, "done" if done else "ack").returning(shape.id).cte("acked")
     s_id = bindparam("s_id", type_=shape.id.type)
-    taken = claim_returning(t, P.queue, P.now, P.until, P.limit, P.prefix, exclude=s_id).cte(
-        "taken"
-    )
+    taken = claim_returning(
+        t, P.queue, P.now, P.until, P.limit, P.prefix, grouping, hold=hold, exclude=s_id
+    ).cte("taken")
     count = select(func.count().label("acked")).select_from(acked).subquery("ack_count")
     next_at = next_due(shape, P.queue, P.now).where(shape.id != s_id).scalar_subquery()
-    return select(count.c.acked, next_at.label("next_at"), *taken.c).select_from(
-        count.outerjoin(taken, true())
-    )
+    ahead = [next_at.label("next_at")] if grouping is None else []
+    return select(count.c.acked, *ahead, *taken.c).select_from(count.outerjoin(taken, true()))
 
 
 def holding(picked: Any, hold: GroupLock) -> ColumnElement[bool]:

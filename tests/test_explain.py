@@ -14,7 +14,7 @@ from sqlalchemy.dialects.postgresql import asyncpg
 from sqla_delayedq import DelayedMessage, DelayedQueue
 from sqla_delayedq import _statements as st
 from sqla_delayedq._cli_stats import bounded_stats_stmt
-from sqla_delayedq._dialects import PostgreSQLStrategy
+from sqla_delayedq._dialects import MariaDBStrategy, PostgreSQLStrategy
 
 T = cast(sa.Table, DelayedMessage.__table__)
 
@@ -248,13 +248,126 @@ def test_a_grouped_take_probes_the_group_index_with_10000_rows(pg, clock):
                 assert_lease_probe_reads_the_leases(plan)
 
 
+def subplan(plan: str, alias: str) -> str:
+    """The text of the plan's subplan that reads the table under ``alias``."""
+    sections = re.split(r"\n\s*(?:SubPlan|InitPlan|CTE) ", plan)
+    (found,) = [s for s in sections if f" on delayed_queue {alias} " in s]
+    return found
+
+
 def assert_lease_probe_reads_the_leases(plan: str) -> None:
-    """The head's second probe (is a message of its group under a lease?) walks the group index
-    or the lock-token index (the rows under a lease): never the due index (every scheduled row
-    of the queue) or the whole table."""
-    probe = plan.split("SubPlan 2\n")[1].split("SubPlan")[0].split("CTE chosen")[0]
-    assert "ix_delayed_queue_group" in probe or "ix_delayed_queue_lock_token" in probe, plan
-    assert "ix_delayed_queue_due" not in probe and "Seq Scan" not in probe, plan
+    """The groups under a lease are read once per statement (hashed) through the lock-token
+    index (the rows under a lease): never the due or group index (every row of the queue) or
+    the whole table, and never per candidate row."""
+    probe = subplan(plan, "leased")
+    assert "ix_delayed_queue_lock_token" in probe, plan
+    assert "ix_delayed_queue_due" not in probe and "ix_delayed_queue_group" not in probe, plan
+    assert "Seq Scan" not in probe, plan
+    assert "hashed SubPlan" in plan, plan
+
+
+def burst_with_heads_in_flight(backend, now: datetime) -> None:
+    """200 groups of 20 messages all due at once, each group's in a row, and the heads of the
+    first 16 groups under a lease (16 consumers busy): the take's worst case."""
+    q = DelayedQueue[dict]("orders", groups=True)
+    with backend.Session() as s, s.begin():
+        q.offer_batch(
+            s, [(f"o{g:03d}/{i:02d}", {}, now, f"o{g:03d}") for g in range(200) for i in range(20)]
+        )
+    with backend.engine.begin() as conn:
+        heads = [f"o{g:03d}/00" for g in range(16)]
+        conn.execute(
+            sa.update(T)
+            .where(T.c.queue == "orders", T.c.key.in_(heads))
+            .values(
+                lock_token=sa.literal("tok.") + sa.cast(T.c.id, sa.String),
+                scheduled_at=now + timedelta(minutes=5),
+            )
+        )
+        conn.exec_driver_sql(
+            "ANALYZE delayed_queue"
+            if backend.name == "postgresql"
+            else "ANALYZE TABLE delayed_queue"
+        )
+
+
+def test_a_grouped_take_in_a_burst_steps_over_busy_groups_by_one_read_of_the_leases(pg, clock):
+    """The 304 messages behind the 16 heads in flight cost a hash look-up each, not a probe of
+    the group index each: the leases are read once, and only the rows of free groups probe."""
+    now = clock()
+    burst_with_heads_in_flight(pg, now)
+    hold = PostgreSQLStrategy(pg.engine.dialect).group_hold(True)
+    stmt = st.claim_returning(
+        T, "orders", now, now + timedelta(minutes=5), 1, "tok2.", "dead_skips", hold=hold
+    )
+    with pg.engine.connect() as conn:
+        compiled = stmt.compile(dialect=conn.dialect)
+        plan = "\n".join(
+            conn.exec_driver_sql("EXPLAIN ANALYZE " + compiled.string, compiled.params).scalars()
+        )
+        conn.rollback()
+
+    def loops(alias: str) -> int:
+        (found,) = re.findall(r"loops=(\d+)", subplan(plan, alias).splitlines()[1])
+        return int(found)
+
+    assert_lease_probe_reads_the_leases(plan)
+    assert loops("leased") == 1, plan
+    # The head of group 16, its 19 followers (their head is not leased yet), and the head of
+    # group 17 (the look-ahead row): nothing behind the heads in flight.
+    assert loops("earlier") <= 21, plan
+
+
+def test_a_grouped_take_in_a_burst_reads_the_leases_once_on_mariadb(mariadb):
+    now = datetime.now(timezone.utc).replace(microsecond=0)
+    burst_with_heads_in_flight(mariadb, now)
+    strategy = MariaDBStrategy(mariadb.engine.dialect)
+    for transactional in (False, True):
+        stmt = st.select_due(
+            T,
+            "orders",
+            now,
+            2,
+            strategy.poll_lock,
+            "dead_skips",
+            hold=strategy.group_hold(transactional),
+        )
+        compiled = stmt.compile(
+            dialect=mariadb.engine.dialect, compile_kwargs={"render_postcompile": True}
+        )
+        params = {
+            k: v.replace(tzinfo=None) if isinstance(v, datetime) else v
+            for k, v in compiled.params.items()
+        }
+        with mariadb.engine.connect() as conn:
+            doc = conn.exec_driver_sql(
+                "ANALYZE FORMAT=JSON " + compiled.string, params
+            ).scalar_one()
+            conn.rollback()
+        reads = maria_tables(json.loads(doc))
+        assert reads["delayed_queue"][0] == "ix_delayed_queue_due", doc
+        # Materialised: one read of the rows under a lease, through their index.
+        assert reads["leased"] == ("ix_delayed_queue_lock_token", 1, 16), doc
+        assert reads["earlier"][0] == "ix_delayed_queue_group", doc
+
+
+def maria_tables(node, found=None) -> dict[str, tuple[str, int, int]]:
+    """Each table alias's (index, loops, rows read) in a MariaDB ``ANALYZE FORMAT=JSON``."""
+    found = {} if found is None else found
+    if isinstance(node, dict):
+        table = node.get("table")
+        if isinstance(table, dict) and "table_name" in table:
+            found[table["table_name"]] = (
+                table.get("key"),
+                table.get("r_loops"),
+                table.get("r_rows"),
+            )
+        for value in node.values():
+            maria_tables(value, found)
+    elif isinstance(node, list):
+        for value in node:
+            maria_tables(value, found)
+    return found
 
 
 # -- a queue with priorities: the boosted probe reads the priority index, in its order -----------
@@ -305,7 +418,7 @@ def test_the_group_probe_reads_the_group_index_on_a_table_analysed_when_empty(pg
         ):
             # A worker's statements are prepared: PostgreSQL may plan them once, for any values.
             for plan in (explain(conn, stmt), explain_generic(conn, stmt)):
-                probe = plan.split("SubPlan 1\n")[1].split("SubPlan 2\n")[0]
+                probe = subplan(plan, "earlier")
                 assert "ix_delayed_queue_group" in probe, plan
                 assert "ix_delayed_queue_due" not in probe, plan
                 assert_lease_probe_reads_the_leases(plan)

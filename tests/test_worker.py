@@ -2003,6 +2003,51 @@ def test_on_postgresql_one_statement_acknowledges_and_takes_the_next(pg, monkeyp
     assert (len(fused), len(alone)) == (total - 1, 1)
 
 
+def test_on_postgresql_a_grouped_queue_acknowledges_and_takes_in_one_statement(pg, monkeypatch):
+    """A queue with groups fuses too: 4 consumers, 6 groups of 6 messages. The statement's take
+    reads a snapshot in which the acknowledged message is still pending under its lease, so
+    its group's next message waits for the next take: each group in order, never two of one
+    group at once, every message once."""
+    from sqla_delayedq import controls
+
+    monkeypatch.setattr(controls, "REFRESH", 600.0)  # as above: no refresh turns one into the chain
+    q: DelayedQueue[Any] = DelayedQueue("fused-groups", groups=True)
+    now = datetime.now(timezone.utc)
+    with pg.Session() as s, s.begin():
+        q.offer_batch(
+            s,
+            [
+                (f"g{g}/{i}", {"i": i}, now - timedelta(seconds=60 - i), f"g{g}")
+                for i in range(6)
+                for g in range(6)
+            ],
+        )
+    lock = threading.Lock()
+    running_groups: Counter[str] = Counter()
+    overlaps: list[str] = []
+    handled: list[tuple[str, int]] = []
+
+    def handle(env: Any) -> None:
+        with lock:
+            running_groups[env.group] += 1
+            if running_groups[env.group] > 1:
+                overlaps.append(env.key)
+        time.sleep(0.005)
+        with lock:
+            running_groups[env.group] -= 1
+            handled.append((env.group, env.payload["i"]))
+
+    worker = Worker(pg.Session, concurrency=4, poll_interval=0.05, listen=False)
+    worker.register(q, handle, mode="lease")
+    with record_sql(pg.engine) as sql, running(worker):
+        assert wait_for(lambda: len(handled) == 36 and pending(pg, q) == 0, 60)
+    assert overlaps == []
+    for g in range(6):
+        assert [i for group, i in handled if group == f"g{g}"] == list(range(6))
+    fused = [x for x in sql if x.lstrip().startswith("WITH acked AS")]
+    assert fused and all("earlier" in x for x in fused), len(fused)
+
+
 def test_elsewhere_a_chained_acknowledgement_never_switches_to_autocommit(backend, make_worker):
     """Only PostgreSQL has the one statement: elsewhere the connection is never switched to
     autocommit for it (PyMySQL pays a round trip to turn it on and one to turn it off)."""
