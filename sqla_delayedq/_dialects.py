@@ -161,6 +161,10 @@ class Strategy(abc.ABC):
     #: message in one statement that commits on its own. Elsewhere the two share a transaction
     #: (and the connection is never switched to autocommit, which costs PyMySQL two round trips).
     fused_ack: ClassVar[bool] = False
+    #: Whether a grouped take reads a group's leases in the group index's order, and first
+    #: steps over the groups of a bounded read of the table's leases (see
+    #: :func:`st.group_head`).
+    ordered_group_probe: ClassVar[bool] = True
     #: Whether workers keep the planner's statistics of their tables fresh (``_planner``).
     keeps_statistics: ClassVar[bool] = False
     #: Whether ``UPDATE ... RETURNING`` exists.
@@ -296,6 +300,7 @@ class Strategy(abc.ABC):
                 grouping,
                 boosted,
                 self.group_hold(transactional),
+                self.ordered_group_probe,
             ),
         )
         return session.execute(stmt, P.take(queue, now, now, limit, "")).all()
@@ -793,6 +798,7 @@ class MySQLStrategy(Strategy):
     max_params = 60_000
     update_returning = False
     delete_returning = False
+    ordered_group_probe = False
     offer_lock = None
     batch_lock = None
     has_server_clock = True

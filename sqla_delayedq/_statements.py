@@ -207,6 +207,11 @@ def oldest_due(shape: Shape, queue: Any, now: Any) -> Select[Any]:
 Grouping = Literal["dead_skips", "dead_blocks"] | None
 
 
+#: How many of the table's leases a grouped take reads to step over their groups' waiting
+#: messages (see :func:`group_head`).
+SKIMMED = 128
+
+
 #: A transaction-scoped lock on one group (queue, group key), true when taken, never waiting
 #: (PostgreSQL's ``pg_try_advisory_xact_lock``): held by a transactional take until the handler's
 #: transaction ends, so no other take starts a message of that group meanwhile.
@@ -218,18 +223,21 @@ def group_head(
     grouping: Grouping,
     now: Any,
     hold: GroupLock | None = None,
+    ordered: bool = True,
 ) -> ColumnElement[bool]:
     """A row that may be taken under its group's order: no group, or (1) no message of its
     group before it (by first schedule, then id) that is still pending (in flight, due,
     scheduled or waiting for a retry) or, with ``dead_blocks``, dead, and (2) no message of its
     group in flight: held under a lease that has not run out, or (with ``hold``) taken by a
-    transaction still open.
+    transaction still open. A probe of the ``group`` index each, the second only for a head.
 
-    Its cost: the groups under a lease are read once per statement (the lock-token index holds
-    only rows under a lease, in every queue of the table) and hashed, so the messages waiting
-    behind a head in flight cost a hash look-up each; each other row of a group costs a probe of
-    the ``group`` index for (1). Messages due at once and in a row per group (a burst) put up
-    to ``group size - 1`` rows behind each head in flight, all of which the take walks past.
+    With ``ordered`` (PostgreSQL, SQLite) the statement first reads up to :data:`SKIMMED` of the
+    table's leases that have not run out, once (in the lock-token index's order, so through it
+    whatever the statistics say), and steps over every row of their groups with a look-up: in
+    a burst, each head in flight has its group's other messages due behind it, which would cost
+    a probe each. That read is bounded so that leases of other queues in the table (a batch
+    consumer's thousands) cost at most its length; a group it missed costs the probes, which
+    stay exact. MariaDB caches each probe's answer per group already (its subquery cache).
 
     Why (1) is exact under racing consumers: a message stays pending from its offer until it
     is acknowledged, so the message after it is not a head while it is taken, whatever its lock.
@@ -273,31 +281,53 @@ def group_head(
         .limit(1)
         .scalar_subquery()
     )
-    # The groups under a lease that has not run out (a row due now never counts), read once per
-    # statement: not correlated with the row, so PostgreSQL hashes it, MariaDB materialises it
-    # and SQLite builds a transient table. Every queue's leases, as pairs: a condition on the
-    # queue would let a planner with stale statistics read the queue's rows through the due or
-    # group index; with none, the only index the read can use is the lock-token index (the rows
-    # under a lease; partial on PostgreSQL and SQLite). InnoDB's estimate of that range can be
-    # half the table right after the leases were written, so MariaDB/MySQL are told the index.
-    # A group key of None in it matches nothing.
+    # A lease of the group that has not run out (the row itself is due, so never counts), by
+    # the group index or the lock-token index (the rows under a lease), per head: an EXISTS
+    # would let PostgreSQL hash one read of every lease in the table, a scan of the whole table
+    # when the statistics are stale. With ``ordered`` (PostgreSQL, SQLite) in the group index's
+    # order, for the reason above: unordered, statistics that say the queue is nearly empty
+    # sent the probe through the due index, every row of the queue per head. Without (MariaDB),
+    # whose optimizer answers that order by walking the whole group index.
     leased = t.alias("leased")
-    busy = select(leased.c.queue, leased.c.group_key).where(
-        leased.c.lock_token.is_not(None),
+    leases = select(leased.c.id).where(
+        leased.c.queue == t.c.queue,
+        leased.c.group_key == t.c.group_key,
+        leased.c.group_key.is_not(None),
         leased.c.status == "pending",
+        leased.c.lock_token.is_not(None),
+        # Not a range of the due index, which would walk every scheduled row of the queue.
         func.coalesce(leased.c.scheduled_at, now) > now,
     )
-    for index in t.indexes:
-        if index.name and [c.name for c in index.columns] == ["lock_token"]:
-            for dialect in ("mysql", "mariadb"):
-                busy = busy.with_hint(leased, f"FORCE INDEX (`{index.name}`)", dialect)
-    free: ColumnElement[bool] = true() if hold is None else hold(t.c.queue, t.c.group_key)
-    head = case(
-        (tuple_(t.c.queue, t.c.group_key).in_(busy), false()),
-        (first == t.c.id, free),
-        else_=false(),
-    )
-    return or_(t.c.group_key.is_(None), head)
+    if ordered:
+        leases = leases.order_by(
+            leased.c.queue,
+            leased.c.group_key,
+            leased.c.scheduled_at_initially,
+            leased.c.id,
+        )
+    busy = leases.limit(1).scalar_subquery().is_not(None)
+    free: ColumnElement[bool] = ~busy
+    if hold is not None:
+        free = case((busy, false()), else_=hold(t.c.queue, t.c.group_key))
+    head: list[tuple[ColumnElement[bool], ColumnElement[bool]]] = [(first == t.c.id, free)]
+    if ordered:
+        # Not correlated with the row: PostgreSQL hashes it, SQLite builds a transient table.
+        # No condition on the queue, which would let stale statistics pick the due index.
+        skim = t.alias("skim")
+        skimmed = (
+            select(skim.c.queue, skim.c.group_key)
+            .where(
+                skim.c.lock_token.is_not(None),
+                skim.c.status == "pending",
+                func.coalesce(skim.c.scheduled_at, now) > now,
+            )
+            .order_by(skim.c.lock_token)
+            .limit(SKIMMED)
+            .subquery("skimmed")
+        )
+        seen = select(skimmed.c.queue, skimmed.c.group_key)
+        head.insert(0, (tuple_(t.c.queue, t.c.group_key).in_(seen), false()))
+    return or_(t.c.group_key.is_(None), case(*head, else_=false()))
 
 
 def take_filter(
@@ -307,10 +337,11 @@ def take_filter(
     grouping: Grouping,
     boosted: bool,
     hold: GroupLock | None = None,
+    ordered: bool = True,
 ) -> ColumnElement[bool]:
     """What a take may pick: due, the head of its group (a queue with groups; see
-    :func:`group_head` for ``hold``), and with ``boosted`` a priority above 0."""
-    head = group_head(t, grouping, now, hold)
+    :func:`group_head` for ``hold`` and ``ordered``), and with ``boosted`` a priority above 0."""
+    head = group_head(t, grouping, now, hold, ordered)
     cond = and_(due_filter(message_shape(t), queue, now), head)
     return and_(cond, t.c.priority > 0) if boosted else cond
 
@@ -332,12 +363,13 @@ def select_due(
     grouping: Grouping = None,
     boosted: bool = False,
     hold: GroupLock | None = None,
+    ordered: bool = True,
 ) -> Select[Any]:
     """Due messages of one queue in schedule order: a range scan of the ``due`` index (heads
     of their groups only, when the queue has groups; see :func:`take_filter`)."""
     stmt = (
         select(*columns(t, TAKE_COLUMNS))
-        .where(take_filter(t, queue, now, grouping, boosted, hold))
+        .where(take_filter(t, queue, now, grouping, boosted, hold, ordered))
         .order_by(*take_order(t, boosted))
         .limit(limit)
     )
