@@ -30,6 +30,7 @@ from sqlalchemy import (
     false,
     func,
     literal,
+    literal_column,
     or_,
     select,
     true,
@@ -152,7 +153,8 @@ class P:
     queue = bindparam("c_queue", type_=String())
     now = bindparam("c_now", type_=DateTimeUTC())
     until = bindparam("c_until", type_=DateTimeUTC())
-    limit = bindparam("c_limit", type_=Integer())
+    #: Written into the statement's text at each execution (see :func:`const`).
+    limit = bindparam("c_limit", type_=Integer(), literal_execute=True)
     prefix = bindparam("c_prefix", type_=String())
     ids = bindparam("c_ids", type_=postgresql.ARRAY(BigInteger()))
     tokens = bindparam("c_tokens", type_=postgresql.ARRAY(String()))
@@ -166,6 +168,30 @@ class P:
             "c_limit": limit,
             "c_prefix": prefix,
         }
+
+
+def const(n: int) -> ColumnElement[int]:
+    """An integer in the statement's text, not a bound parameter: every ``LIMIT`` of a take.
+
+    psycopg prepares a statement run five times, and PostgreSQL then plans it once for all
+    parameter values (a generic plan) only if that plan's estimated cost is about that of a plan
+    made for the values at hand; otherwise it plans again at every execution. A bound ``LIMIT``
+    is estimated at a tenth of the rows it limits, so a take's generic plan looked a hundred
+    times dearer than it is, and every take was planned afresh: about half a millisecond of the
+    server's time, as much as running it. With the numbers written in, PostgreSQL keeps the
+    generic plan (``test_explain.py`` checks that it does, and what it reads). The take's own
+    ``limit`` is :attr:`P.limit`, rendered the same way at each execution, so each distinct
+    limit is a statement of its own, prepared once.
+    """
+    return literal_column(str(int(n)), Integer())
+
+
+def limit_of(limit: Any, more: int = 0) -> Any:
+    """``limit`` (+ ``more``) as a take's ``LIMIT``: a number in the text (see :func:`const`),
+    from an ``int`` or :attr:`P.limit`."""
+    if isinstance(limit, int):
+        return const(limit + more)
+    return limit + const(more) if more else limit
 
 
 def with_lock(stmt: Select[Any], lock: Lock) -> Select[Any]:
@@ -278,7 +304,7 @@ def group_head(
             earlier.c.scheduled_at_initially,
             earlier.c.id,
         )
-        .limit(1)
+        .limit(const(1))
         .scalar_subquery()
     )
     # A lease of the group that has not run out (the row itself is due, so never counts), by
@@ -305,7 +331,7 @@ def group_head(
             leased.c.scheduled_at_initially,
             leased.c.id,
         )
-    busy = leases.limit(1).scalar_subquery().is_not(None)
+    busy = leases.limit(const(1)).scalar_subquery().is_not(None)
     free: ColumnElement[bool] = ~busy
     if hold is not None:
         free = case((busy, false()), else_=hold(t.c.queue, t.c.group_key))
@@ -322,7 +348,7 @@ def group_head(
                 func.coalesce(skim.c.scheduled_at, now) > now,
             )
             .order_by(skim.c.lock_token)
-            .limit(SKIMMED)
+            .limit(const(SKIMMED))
             .subquery("skimmed")
         )
         seen = select(skimmed.c.queue, skimmed.c.group_key)
@@ -371,7 +397,7 @@ def select_due(
         select(*columns(t, TAKE_COLUMNS))
         .where(take_filter(t, queue, now, grouping, boosted, hold, ordered))
         .order_by(*take_order(t, boosted))
-        .limit(limit)
+        .limit(limit_of(limit))
     )
     return with_lock(stmt, lock)
 
@@ -518,7 +544,7 @@ def claim_returning(
         )
         .where(due)
         .order_by(*take_order(t, boosted))
-        .limit(limit + 1)
+        .limit(limit_of(limit, 1))
         .with_for_update(skip_locked=True)
         .cte("picked")
     )
@@ -528,7 +554,7 @@ def claim_returning(
         chosen_rows = chosen_rows.where(holding(picked, hold))
     chosen = (
         chosen_rows.order_by(*((picked.c.prio.desc(), *order) if boosted else order))
-        .limit(limit)
+        .limit(limit_of(limit))
         .cte("chosen")
     )
     found = select(func.count()).select_from(picked).scalar_subquery().label("picked")
@@ -618,17 +644,18 @@ def consume_returning(
             select(row_tid(t).label("row_tid"), t.c.queue.label("q"), t.c.group_key.label("g"))
             .where(due)
             .order_by(*order)
-            .limit(limit)
+            .limit(limit_of(limit))
             .with_for_update(skip_locked=True)
             .subquery("picked")
         )
         picked = select(locked.c.row_tid).where(holding(locked, hold))
         cond = row_tid(t) == any_(ArrayOf(picked))
     elif skip_locked:
-        picked = select(row_tid(t)).where(due).order_by(*order).limit(limit)
+        picked = select(row_tid(t)).where(due).order_by(*order).limit(limit_of(limit))
         cond = row_tid(t) == any_(ArrayOf(picked.with_for_update(skip_locked=True)))
     else:
-        cond = t.c.id.in_(select(t.c.id).where(due).order_by(*order).limit(limit).scalar_subquery())
+        top = select(t.c.id).where(due).order_by(*order).limit(limit_of(limit))
+        cond = t.c.id.in_(top.scalar_subquery())
     returned = columns(t, TAKE_COLUMNS)
     if ahead:
         returned.append(next_pending(t, queue))
@@ -655,7 +682,7 @@ def next_pending(t: Table, queue: Any) -> ColumnElement[Any]:
             tuple_(other.c.scheduled_at, other.c.id) > tuple_(t.c.scheduled_at, t.c.id),
         )
         .order_by(other.c.scheduled_at, other.c.id)
-        .limit(1)
+        .limit(const(1))
         .correlate(t)
         .scalar_subquery()
         .label("next_at")

@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
 from sqla_delayedq import (
     Buried,
@@ -2046,6 +2046,57 @@ def test_on_postgresql_a_grouped_queue_acknowledges_and_takes_in_one_statement(p
         assert [i for group, i in handled if group == f"g{g}"] == list(range(6))
     fused = [x for x in sql if x.lstrip().startswith("WITH acked AS")]
     assert fused and all("earlier" in x for x in fused), len(fused)
+
+
+@pytest.mark.parametrize("kind", ["lease", "lease with groups", "transactional"])
+def test_on_postgresql_a_worker_s_takes_are_planned_once(pg, monkeypatch, kind):
+    """A worker's take statements stay prepared on its connections (psycopg forgets them all at
+    any rollback) and run the plan PostgreSQL keeps for all values, not one planned again at
+    every take (see ``test_a_prepared_take_keeps_one_plan_for_all_its_values``): each take
+    statement a connection ran more than ten times ran that plan."""
+    from sqla_delayedq import controls, create_engine
+
+    monkeypatch.setattr(controls, "REFRESH", 600.0)  # the fused statement, as above
+    engine = create_engine(pg.engine.url)
+    raw: list[Any] = []
+    sa.event.listen(engine, "connect", lambda dbapi, record: raw.append(dbapi))
+    q: DelayedQueue[Any] = DelayedQueue("planned", groups=kind == "lease with groups")
+    with sessionmaker(engine).begin() as s:  # a backlog: the worker takes a few dozen of it
+        group = "g" if q.grouping else None
+        now = datetime.now(timezone.utc)
+        q.offer_batch(
+            s,
+            [
+                (f"m{i}", {}, now - timedelta(milliseconds=20 - i // 200), group and f"g{i % 200}")
+                for i in range(4000)
+            ],
+        )
+    with engine.connect() as conn:  # statistics of the backlog, as autovacuum's would be
+        conn.exec_driver_sql("ANALYZE delayed_queue")
+    handled: list[str] = []
+    worker = Worker(sessionmaker(engine), concurrency=1, poll_interval=0.05, listen=False)
+    if kind == "transactional":
+        worker.register(q, lambda env, s: handled.append(env.key), mode="transactional")
+    else:
+        worker.register(q, lambda env: handled.append(env.key), mode="lease")
+    try:
+        with running(worker):
+            assert wait_for(lambda: len(handled) >= 50, 60)
+        plans: list[tuple[str, int, int]] = []
+        for conn in raw:
+            if not conn.closed:
+                plans += conn.execute(
+                    "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements"
+                ).fetchall()
+    finally:
+        engine.dispose()
+    takes = [p for p in plans if "SKIP LOCKED" in p[0] and p[1] + p[2] > 10]
+    assert takes, [p[1:] for p in plans]
+    if kind == "lease":
+        assert any(p[0].lstrip().startswith("WITH acked AS") for p in takes), plans
+    if kind == "lease with groups":
+        assert any("earlier" in p[0] for p in takes), plans
+    assert all(generic > 0 for _, generic, _ in takes), [p[1:] for p in takes]
 
 
 def test_elsewhere_a_chained_acknowledgement_never_switches_to_autocommit(backend, make_worker):
