@@ -367,11 +367,14 @@ class Taken(NamedTuple):
 FAILED: Any = ([], Taken(0, True, None))
 
 
-def _after_groups(taken: Taken, handled: list[Envelope[Any]]) -> Taken:
-    """A take, once its messages are settled: settling a message of a group may have made the
-    next message of that group due (it waited behind it), so the consumer takes again at once
-    instead of idling until an offer or the poll interval."""
-    if not taken.more and any(e.group is not None for e in handled):
+def _after_groups(taken: Taken, grouped: bool) -> Taken:
+    """A take, once its messages are settled (``grouped``: some had a group): settling a
+    message of a group may have made the next message of that group due (it waited behind
+    it), so the consumer takes again at once instead of idling until an offer or the poll
+    interval. Any message of the pass counts, not only the last take's: a take that rode in an
+    acknowledgement (PostgreSQL's one statement) reads a snapshot from before that
+    acknowledgement, and so never takes the acknowledged message's successor itself."""
+    if not taken.more and grouped:
         return Taken(taken.handled, True, None)
     return taken
 
@@ -1043,9 +1046,10 @@ class BaseWorker(Generic[S]):
         size = reg.batch or self.batch_size
         envs, taken = self._take(reg, size)
         handled = 0
-        failed = False
+        failed = grouped = False
         while envs:
             handled += len(envs)
+            grouped = grouped or any(e.group is not None for e in envs)
             self._in_flight.add(reg, *envs)
             alone = len(self._registrations) == 1  # no other queue to give a turn to
             then = size if chain and taken.chainable and (alone or handled < CHAIN_LIMIT) else 0
@@ -1074,7 +1078,7 @@ class BaseWorker(Generic[S]):
             soon = min(self.poll_interval, FAILED_RETRY)
             due_in = soon if taken.due_in is None else min(taken.due_in, soon)
             taken = Taken(taken.handled, False, due_in)
-        return _after_groups(taken._replace(handled=handled), envs)
+        return _after_groups(taken._replace(handled=handled), grouped)
 
     def _handle(
         self, reg: Registration, envs: list[Envelope[Any]], arg: Any, then: int = 0

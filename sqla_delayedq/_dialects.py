@@ -400,10 +400,11 @@ class Strategy(abc.ABC):
         at one row more, to say whether more is due. ``grouping``: see :func:`st.group_head`;
         ``boosted``: only rows with a priority, highest first; ``ahead``: read when the next
         row is due too, where the take's statement can (see :func:`st.claim_returning`)."""
-        picked = self._due(session, t, queue, now, limit + 1, grouping, boosted)
+        extra = st.look_ahead(grouping)
+        picked = self._due(session, t, queue, now, limit + extra, grouping, boosted)
         if not picked:
             return Claims([], False)
-        more, picked = len(picked) > limit, picked[:limit]
+        more, picked = len(picked) >= limit + extra, picked[:limit]
         ids = [r.id for r in picked]
         taken = self.take_picked(session, st.message_shape(t), ids, now, lease_until, prefix)
         claimed = [
@@ -661,16 +662,18 @@ class PostgreSQLStrategy(Strategy):
             ),
         )
         rows = session.execute(stmt, P.take(queue, now, lease_until, limit, prefix)).all()
-        return self._claims(rows, limit, ahead)
+        return self._claims(rows, limit + st.look_ahead(grouping), ahead)
 
     @staticmethod
-    def _claims(rows: Sequence[Any], limit: int, ahead: bool) -> Claims:
+    def _claims(rows: Sequence[Any], full: int, ahead: bool) -> Claims:
+        """The rows a take returned; ``full``: how many rows its pick locked when more may be
+        due (the limit and :func:`st.look_ahead`)."""
         claimed = [
             Claimed(r, lost_token(r.prev_token), r.prev_scheduled_at, held_due(r.prev_token))
             for r in rows
         ]
         claimed.sort(key=lambda c: (-c.row.priority, c.prev_scheduled_at, c.row.id))
-        more = bool(rows) and rows[0].picked > limit
+        more = bool(rows) and rows[0].picked >= full
         if ahead and rows and not more:
             return Claims(claimed, more, True, rows[0].next_at)
         return Claims(claimed, more)
@@ -695,7 +698,8 @@ class PostgreSQLStrategy(Strategy):
         )
         params = {**P.take(queue, now, lease_until, limit, prefix), **ack}
         rows = session.execute(stmt, params).all()
-        claims = self._claims([r for r in rows if r.id is not None], limit, False)
+        taken = [r for r in rows if r.id is not None]
+        claims = self._claims(taken, limit + st.look_ahead(grouping), False)
         if not claims.more and grouping is None:
             claims = claims._replace(seen=True, next_at=rows[0].next_at)
         return int(rows[0].acked), claims

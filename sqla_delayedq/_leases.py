@@ -130,7 +130,8 @@ class Polled(NamedTuple, Generic[T]):
     """What :meth:`LeasedQueue.poll_batch` took, and whether more was due."""
 
     envelopes: list[Envelope[T]]
-    #: More rows were due than the take asked for.
+    #: More rows were due than the take asked for; for a queue with groups, the take got all
+    #: it asked for (more may be due: its take looks no further).
     more: bool
     #: The queue's controls held due rows back (paused, or at a limit): take again after
     #: ``wait`` seconds (None: when woken or after the poll interval).

@@ -339,21 +339,43 @@ def group_head(
     if ordered:
         # Not correlated with the row: PostgreSQL hashes it, SQLite builds a transient table.
         # No condition on the queue, which would let stale statistics pick the due index.
-        skim = t.alias("skim")
+        skim, tally = t.alias("skim"), t.alias("tally")
         skimmed = (
             select(skim.c.queue, skim.c.group_key)
-            .where(
-                skim.c.lock_token.is_not(None),
-                skim.c.status == "pending",
-                func.coalesce(skim.c.scheduled_at, now) > now,
-            )
+            .where(*unexpired_leases(skim, now))
             .order_by(skim.c.lock_token)
             .limit(const(SKIMMED))
             .subquery("skimmed")
         )
         seen = select(skimmed.c.queue, skimmed.c.group_key)
-        head.insert(0, (tuple_(t.c.queue, t.c.group_key).in_(seen), false()))
+        # Fewer than SKIMMED leases in the table: the read above holds them all, so a head
+        # whose group it missed has none, and needs no probe of its own. Counted once, by a
+        # read that stops at SKIMMED in any order (an order would let a plan sort them all).
+        counted = select(tally.c.id).where(*unexpired_leases(tally, now)).limit(const(SKIMMED))
+        every = select(func.count()).select_from(counted.subquery()).scalar_subquery() < SKIMMED
+        head = [
+            (tuple_(t.c.queue, t.c.group_key).in_(seen), false()),
+            (first == t.c.id, case((every, true()), else_=free)),
+        ]
     return or_(t.c.group_key.is_(None), case(*head, else_=false()))
+
+
+def look_ahead(grouping: Grouping) -> int:
+    """How many rows a take picks beyond its limit, to say whether more is due now: one for a
+    queue without groups. None for a queue with groups, whose consumer takes again at once after
+    a message of a group anyway (its acknowledgement may have made the next of the group due):
+    in a burst, the row after a group's head is that group's next message, and reaching the
+    next free head walked past all of them, a probe each."""
+    return 1 if grouping is None else 0
+
+
+def unexpired_leases(alias: Any, now: Any) -> tuple[ColumnElement[bool], ...]:
+    """Rows of ``alias`` under a lease that has not run out (as :func:`group_head` reads them)."""
+    return (
+        alias.c.lock_token.is_not(None),
+        alias.c.status == "pending",
+        func.coalesce(alias.c.scheduled_at, now) > now,
+    )
 
 
 def take_filter(
@@ -544,7 +566,7 @@ def claim_returning(
         )
         .where(due)
         .order_by(*take_order(t, boosted))
-        .limit(limit_of(limit, 1))
+        .limit(limit_of(limit, look_ahead(grouping)))
         .with_for_update(skip_locked=True)
         .cte("picked")
     )

@@ -186,10 +186,11 @@ def assert_picked_rows_found_by_tid(plans: dict[str, str], table_pages: int) -> 
         if name.startswith("ack and claim"):
             # The acknowledgement's scan (a look-up by id or by lock token); then the take's
             # update, the statement's third copy of the table.
+            # On a table of a page or two the planner may read it any way: nothing to read.
             (acked,) = scans
-            assert re.match(
+            assert table_pages <= 2 or re.match(
                 r"Index Scan using (delayed_queue_pkey|ix_delayed_queue_lock_token)", acked
-            ) or (acked.startswith("Seq Scan") and table_pages <= 2), f"{name}: {acked}\n{plan}"
+            ), f"{name}: {acked}\n{plan}"
             scans = outer_scans(plan, "delayed_queue delayed_queue_2")
         assert scans, plan
         for scan in scans:
@@ -319,7 +320,9 @@ def burst_with_heads_in_flight(backend, now: datetime) -> None:
 
 def test_a_grouped_take_in_a_burst_steps_over_busy_groups_by_one_read_of_the_leases(pg, clock):
     """The 304 messages behind the 16 heads in flight cost a hash look-up each, not a probe of
-    the group index each: the leases are read once, and only the rows of free groups probe."""
+    the group index each: the leases are read once, and only the rows of free groups probe.
+    The take stops at the first free head: no row beyond its limit (a queue with groups has no
+    look-ahead), and no lease probe of its own while the table holds fewer than 128 leases."""
     now = clock()
     burst_with_heads_in_flight(pg, now)
     hold = PostgreSQLStrategy(pg.engine.dialect).group_hold(True)
@@ -338,10 +341,10 @@ def test_a_grouped_take_in_a_burst_steps_over_busy_groups_by_one_read_of_the_lea
         return int(found)
 
     assert_lease_probe_reads_the_leases(plan)
-    assert loops("skim") == 1, plan
-    # The head of group 16, its 19 followers (their head is not leased yet), and the head of
-    # group 17 (the look-ahead row): nothing behind the heads in flight.
-    assert loops("earlier") <= 21, plan
+    assert loops("skim") == 1 and loops("tally") == 1, plan
+    # The head of group 16 alone: nothing behind the heads in flight, nor behind it.
+    assert loops("earlier") == 1, plan
+    assert "(never executed)" in subplan(plan, "leased").splitlines()[1], plan
 
 
 def test_a_grouped_take_in_a_burst_probes_each_group_once_on_mariadb(mariadb):

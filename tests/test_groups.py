@@ -14,6 +14,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from sqla_delayedq import DelayedQueue, ExponentialBackoff, InvalidArgument, Outcome
 from sqla_delayedq.serializers import JsonSerializer
@@ -255,12 +256,61 @@ def test_a_worker_takes_the_next_of_a_group_at_once_after_settling_its_head(
     assert len(started) == 5  # without the rule each would wait for the 30 s poll interval
 
 
-def test_a_message_back_dated_before_a_taken_one_waits_for_it_leased(backend: Backend) -> None:
+def test_a_worker_takes_the_next_of_each_group_at_once_between_groups(
+    backend: Backend, make_worker: Any
+) -> None:
+    """One consumer, a long poll interval, two groups: the takes that follow an acknowledgement
+    alternate between the groups (on PostgreSQL one statement acknowledges and takes, in a
+    snapshot where the acknowledged message is still in flight), and when such a take finds
+    nothing the worker still takes again at once: the acknowledged message's successor waits."""
+    import time
+
+    from tests.fix_workers import running
+
+    q: DelayedQueue[Any] = DelayedQueue("orders", groups=True)
+    with backend.Session() as s, s.begin():
+        q.offer_batch(s, [(f"{g}{i}", {}, None, g) for i in range(5) for g in "AB"])
+    started: list[str] = []
+    worker = make_worker(backend, concurrency=1, poll_interval=30, listen=False)
+    worker.register(q, lambda e: started.append(e.key))
+    with running(worker):
+        deadline = time.monotonic() + 20
+        while len(started) < 10 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert sorted(started) == sorted(f"{g}{i}" for i in range(5) for g in "AB"), started
+    for g in "AB":
+        assert [k for k in started if k[0] == g] == [f"{g}{i}" for i in range(5)]
+
+
+def lease_others(backend: Backend, n: int) -> None:
+    """``n`` messages of another queue under leases whose tokens sort before any a take gives:
+    a grouped take's first read of the table's leases (128 of them, by token) misses the rest."""
+    other = DelayedQueue[Any]("other")
+    with backend.Session() as s, s.begin():
+        other.offer_batch(s, [(f"x{i}", {}) for i in range(n)])
+    t = other.shape.table
+    with backend.engine.begin() as conn:
+        conn.execute(
+            t.update()
+            .where(t.c.queue == "other")
+            .values(
+                lock_token=sa.literal("00000000.") + sa.cast(t.c.id, sa.String),
+                scheduled_at=T0 + timedelta(hours=1),
+            )
+        )
+
+
+@pytest.mark.parametrize("others", [0, 200], ids=["alone", "beside 200 leases"])
+def test_a_message_back_dated_before_a_taken_one_waits_for_it_leased(
+    backend: Backend, others: int
+) -> None:
     """A late event offered with an earlier time than its group's message in flight goes
     first in the group's order, but does not start beside it: the group is busy until the
-    taken message is settled (or its lease runs out)."""
+    taken message is settled (or its lease runs out). Beside 200 leases of another queue, the
+    take's first read of the leases misses the group's, and its own probe finds it."""
     clock = ManualClock(T0)
     q = grouped(clock)
+    lease_others(backend, others)
     with backend.Session() as s, s.begin():
         q.offer(s, "a1", {}, T0 - timedelta(seconds=1), group="A")
     with backend.Session() as s, s.begin():
