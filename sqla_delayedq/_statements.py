@@ -319,10 +319,8 @@ def group_head(
         leased.c.queue == t.c.queue,
         leased.c.group_key == t.c.group_key,
         leased.c.group_key.is_not(None),
-        leased.c.status == "pending",
-        leased.c.lock_token.is_not(None),
-        # Not a range of the due index, which would walk every scheduled row of the queue.
-        func.coalesce(leased.c.scheduled_at, now) > now,
+        # The same leases the read below counts: its shortcut is exact only if they agree.
+        *unexpired_leases(leased, now),
     )
     if ordered:
         leases = leases.order_by(
@@ -362,7 +360,7 @@ def group_head(
 
 def look_ahead(grouping: Grouping) -> int:
     """How many rows a take picks beyond its limit, to say whether more is due now: one for a
-    queue without groups. None for a queue with groups, whose consumer takes again at once after
+    queue without groups, none for a queue with groups, whose consumer takes again at once after
     a message of a group anyway (its acknowledgement may have made the next of the group due):
     in a burst, the row after a group's head is that group's next message, and reaching the
     next free head walked past all of them, a probe each."""
@@ -370,10 +368,12 @@ def look_ahead(grouping: Grouping) -> int:
 
 
 def unexpired_leases(alias: Any, now: Any) -> tuple[ColumnElement[bool], ...]:
-    """Rows of ``alias`` under a lease that has not run out (as :func:`group_head` reads them)."""
+    """Rows of ``alias`` under a lease that has not run out, as :func:`group_head` reads them
+    (its per-head probe and its one read of the table's leases alike)."""
     return (
-        alias.c.lock_token.is_not(None),
         alias.c.status == "pending",
+        alias.c.lock_token.is_not(None),
+        # Not a range of the due index, which would walk every scheduled row of the queue.
         func.coalesce(alias.c.scheduled_at, now) > now,
     )
 
