@@ -614,8 +614,9 @@ def contract_c2(url: URL, backend: str, n: int, consumers: int = 4, batch: int =
 # -- the SQLAlchemy floor -----------------------------------------------------------------------
 #
 # The same-contract reference's SQL sent through SQLAlchemy, with no code of ours: what any
-# library that offers on the caller's Session (or on a pooled Core connection) pays before it
-# does anything of its own. Reference -> floor is SQLAlchemy's cost; floor -> ours is ours.
+# library that offers on the caller's Session (or on a pooled Core connection), or consumes
+# through Sessions, pays before it does anything of its own. Reference -> floor is SQLAlchemy's
+# cost; floor -> ours is ours (for the drains: the worker runtime's).
 
 
 #: INSERT_ONE and INSERT_MANY with named parameters, for ``text()``.
@@ -687,6 +688,91 @@ def floor_e2(url: URL, backend: str, n: int, batch: int = 1000) -> Measure:
     return m.result(n)
 
 
+FLOOR_TAKE = sa.text(
+    "DELETE FROM delayed_queue WHERE id = ANY(ARRAY(SELECT id FROM delayed_queue"
+    " WHERE queue = :queue AND scheduled_at <= :now ORDER BY scheduled_at, id LIMIT :limit"
+    " FOR UPDATE SKIP LOCKED)) RETURNING id, key, payload"
+)
+FLOOR_LEASE_TAKE = sa.text(
+    "UPDATE delayed_queue SET scheduled_at = :until, lock_token = :prefix || CAST(id AS text)"
+    " WHERE id = ANY(ARRAY(SELECT id FROM delayed_queue WHERE queue = :queue"
+    " AND scheduled_at <= :now ORDER BY scheduled_at, id LIMIT :limit FOR UPDATE SKIP LOCKED))"
+    " RETURNING id, lock_token, payload"
+)
+FLOOR_LEASE_ACK = sa.text(
+    "DELETE FROM delayed_queue WHERE id = ANY(:ids) AND lock_token = ANY(:tokens)"
+)
+
+
+def _floor_drain(
+    url: URL, backend: str, n: int, consumers: int, take: Callable[[Any], int]
+) -> Measure:
+    """:func:`_drain` through SQLAlchemy: ``consumers`` threads call ``take(sessions)`` (a
+    ``sessionmaker`` on a plain ``sqlalchemy.create_engine``) until it returns 0."""
+    _fill(url, n)
+    engine = sa.create_engine(url, pool_size=consumers + 2)
+    sessions = sessionmaker(engine)
+    counts: list[int] = []
+    lock = threading.Lock()
+
+    def consume() -> None:
+        while taken := take(sessions):
+            with lock:
+                counts.append(taken)
+
+    with Meter(backend) as m:
+        threads = [threading.Thread(target=consume) for _ in range(consumers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    engine.dispose()
+    if sum(counts) != n:
+        raise RuntimeError(f"drained {sum(counts)} of {n}")
+    return m.result(n)
+
+
+def floor_c1(url: URL, backend: str, n: int, consumers: int = 4) -> Measure:
+    """The reference's transactional take per message in a Session transaction, the handler's
+    savepoint a ``begin_nested()``."""
+
+    def take(sessions: Any) -> int:
+        with sessions.begin() as s:
+            params = {"queue": QUEUE, "now": datetime.now(timezone.utc), "limit": 1}
+            rows = s.execute(FLOOR_TAKE, params).all()
+            if rows:
+                with s.begin_nested():
+                    pass
+        return len(rows)
+
+    return _floor_drain(url, backend, n, consumers, take)
+
+
+def floor_c2(url: URL, backend: str, n: int, consumers: int = 4, batch: int = 100) -> Measure:
+    """The reference's lease-mode batch: take and commit, then acknowledge by lock token and
+    commit, a Session transaction each."""
+    import secrets
+
+    def take(sessions: Any) -> int:
+        now = datetime.now(timezone.utc)
+        lease = {
+            "until": now + timedelta(minutes=5),
+            "prefix": secrets.token_hex(12) + ".",
+            "queue": QUEUE,
+            "now": now,
+            "limit": batch,
+        }
+        with sessions.begin() as s:
+            rows = s.execute(FLOOR_LEASE_TAKE, lease).all()
+        if rows:
+            with sessions.begin() as s:
+                ack = {"ids": [r[0] for r in rows], "tokens": [r[1] for r in rows]}
+                s.execute(FLOOR_LEASE_ACK, ack)
+        return len(rows)
+
+    return _floor_drain(url, backend, n, consumers, take)
+
+
 #: Our other mode, measured beside ``OURS`` where it applies (``ours_lease`` in results.json).
 OURS_LEASE = {"C1": ours_c1_lease}
 #: The Engine form of an offer, beside the Session form (``ours_engine`` in results.json).
@@ -702,7 +788,7 @@ OURS_VARIANTS: dict[str, dict[str, Callable[..., Measure]]] = {
     "ours_lease_2proc": OURS_LEASE_PROCESSES,
 }
 #: The reference's SQL through SQLAlchemy (``floor``), and the Engine form's (``floor_engine``).
-FLOOR = {"E1": floor_e1, "E2": floor_e2}
+FLOOR = {"E1": floor_e1, "E2": floor_e2, "C1": floor_c1, "C2": floor_c2}
 FLOOR_ENGINE = {"E1": floor_e1_connection}
 CONTRACT = {"E1": contract_e1, "E2": contract_e2, "C1": contract_c1, "C2": contract_c2}
 OURS = {"E0": ours_e0, "E1": ours_e1, "E2": ours_e2, "C1": ours_c1, "C2": ours_c2, "L1": ours_l1}

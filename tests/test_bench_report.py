@@ -74,7 +74,9 @@ def test_latency_compares_p99_and_keeps_the_in_process_figure_apart() -> None:
 def test_the_floors_bound_their_own_form_and_say_how_far_the_peers_are() -> None:
     systems, _ = systems_for("E1")
     assert {"floor", "floor_engine", "ours", "ours_engine"} <= set(systems)
-    assert "floor" not in systems_for("C1")[0]
+    for drain in ("C1", "C2"):  # the drains' floors: the reference's takes through Sessions
+        assert "floor" in systems_for(drain)[0] and "floor_engine" not in systems_for(drain)[0]
+    assert "floor" not in systems_for("E0")[0] and "floor" not in systems_for("L1")[0]
     summaries = {
         "ours": _s(900),
         "ours_engine": _s(1200),
