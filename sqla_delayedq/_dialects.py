@@ -644,10 +644,9 @@ class PostgreSQLStrategy(Strategy):
     ) -> Claims:
         relaxed = bool(session.info.get(TAKE_ONLY))
         ahead = ahead and grouping is None and not boosted
-        stmt = self.cached(
-            t,
-            f"claim:{grouping}:{boosted}:{relaxed}:{ahead}",
-            lambda: st.claim_returning(
+
+        def build() -> Any:
+            take = st.claim_returning(
                 t,
                 P.queue,
                 P.now,
@@ -658,23 +657,27 @@ class PostgreSQLStrategy(Strategy):
                 boosted,
                 relaxed,
                 self.group_hold(False),
-                ahead,
-            ),
-        )
+            )
+            return st.claim_ahead(take, t, P.queue, P.now) if ahead else take
+
+        stmt = self.cached(t, f"claim:{grouping}:{boosted}:{relaxed}:{ahead}", build)
         rows = session.execute(stmt, P.take(queue, now, lease_until, limit, prefix)).all()
         return self._claims(rows, limit + st.look_ahead(grouping), ahead)
 
     @staticmethod
     def _claims(rows: Sequence[Any], full: int, ahead: bool) -> Claims:
         """The rows a take returned; ``full``: how many rows its pick locked when more may be
-        due (the limit and :func:`st.look_ahead`)."""
+        due (the limit and :func:`st.look_ahead`). With ``ahead`` the rows carry ``next_at``
+        (:func:`st.claim_ahead`, :func:`st.ack_and_claim`), and one row of NULLs stands for an
+        empty take."""
+        taken = [r for r in rows if r.id is not None] if ahead else rows
         claimed = [
             Claimed(r, lost_token(r.prev_token), r.prev_scheduled_at, held_due(r.prev_token))
-            for r in rows
+            for r in taken
         ]
         claimed.sort(key=lambda c: (-c.row.priority, c.prev_scheduled_at, c.row.id))
-        more = bool(rows) and rows[0].picked >= full
-        if ahead and rows and not more:
+        more = bool(taken) and taken[0].picked >= full
+        if ahead and not more:
             return Claims(claimed, more, True, rows[0].next_at)
         return Claims(claimed, more)
 
@@ -698,10 +701,11 @@ class PostgreSQLStrategy(Strategy):
         )
         params = {**P.take(queue, now, lease_until, limit, prefix), **ack}
         rows = session.execute(stmt, params).all()
-        taken = [r for r in rows if r.id is not None]
-        claims = self._claims(taken, limit + st.look_ahead(grouping), False)
-        if not claims.more and grouping is None:
-            claims = claims._replace(seen=True, next_at=rows[0].next_at)
+        full = limit + st.look_ahead(grouping)
+        if grouping is None:  # with groups a due row need not be one a take may pick
+            claims = self._claims(rows, full, True)
+        else:
+            claims = self._claims([r for r in rows if r.id is not None], full, False)
         return int(rows[0].acked), claims
 
     @staticmethod

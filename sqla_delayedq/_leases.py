@@ -303,6 +303,7 @@ class LeasedQueue(abc.ABC, Generic[T]):
             claims = self._claim(session, strategy, now, now + lease, n - len(envelopes), prefix)
             more = claims.more
             if not claims.claimed:
+                ahead = Ahead(True, claims.next_at) if claims.seen else UNSEEN
                 break
             buried = 0
             for c in claims.claimed:

@@ -523,7 +523,6 @@ def claim_returning(
     boosted: bool = False,
     relaxed: bool = False,
     hold: GroupLock | None = None,
-    ahead: bool = False,
     exclude: Any = None,
 ) -> Update:
     """PostgreSQL: pick with ``SKIP LOCKED`` and take in one statement.
@@ -543,9 +542,7 @@ def claim_returning(
     ``hold`` (see :func:`group_head`): the lease marks the group busy once the take commits;
     until then the lock keeps a transactional take of the group out, and the other way round.
 
-    With ``ahead`` the statement also returns ``next_at``: :func:`next_due` read in its own
-    snapshot, so it does not see the rows it takes (an idle consumer then knows how long to
-    sleep without a statement to ask; one uncorrelated subquery, evaluated once).
+    :func:`claim_ahead` adds when the queue's next row is due.
 
     ``exclude``: a row id never picked (the row :func:`ack_and_claim` acknowledges in the same
     statement; one statement must not change a row twice).
@@ -597,9 +594,24 @@ def claim_returning(
                 if relaxed
                 else []
             ),
-            *([next_due(shape, queue, now).scalar_subquery().label("next_at")] if ahead else []),
         )
     )
+
+
+def claim_ahead(take: Update, t: Table, queue: Any, now: Any) -> Select[Any]:
+    """PostgreSQL: ``take`` (a :func:`claim_returning`) that also reads when the queue's next
+    row is due, ``next_at``: :func:`next_due` in the statement's snapshot, so not seeing the rows
+    it takes (one uncorrelated subquery, evaluated once). An idle consumer then knows how long to
+    sleep without a statement to ask.
+
+    One row per taken message, or one row of NULLs and ``next_at`` when none was: a consumer
+    woken for a message that another took first (one chained to its acknowledgement, say) asks
+    nothing more before it sleeps again.
+    """
+    taken = take.cte("taken")
+    one = select(const(1).label("one")).subquery("one")
+    next_at = next_due(message_shape(t), queue, now).scalar_subquery().label("next_at")
+    return select(next_at, *taken.c).select_from(one.outerjoin(taken, true()))
 
 
 def ack_and_claim(
