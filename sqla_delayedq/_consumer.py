@@ -320,6 +320,11 @@ class Runtime(Protocol):
         """Wake ``count`` waiting consumers, or every one when None (from any thread)."""
         ...
 
+    def wake_idle(self, count: int) -> None:
+        """Wake up to ``count`` waiting consumers, if any wait; unlike :meth:`notify`, busy
+        consumers are not told to look again (from a consumer)."""
+        ...
+
 
 W = TypeVar("W")
 
@@ -1048,6 +1053,12 @@ class BaseWorker(Generic[S]):
         handled = 0
         failed = grouped = False
         while envs:
+            if taken.more:
+                # More is due than this take holds, and the row its pick looked ahead to was
+                # locked until the take committed (a consumer woken for it skipped it): an idle
+                # consumer takes it now, not this one after its handlers. A wake-up that meets
+                # no idle consumer is dropped: busy ones take again on their own.
+                self.rt.wake_idle(1)
             handled += len(envs)
             grouped = grouped or any(e.group is not None for e in envs)
             self._in_flight.add(reg, *envs)

@@ -444,6 +444,12 @@ class AsyncRuntime:
     def notify(self, _key: str | None = None, count: int | None = None) -> None:
         self._soon(lambda: self._bump(count))
 
+    def wake_idle(self, count: int) -> None:
+        self._soon(lambda: self._lend(count))
+
+    def _lend(self, count: int) -> None:
+        hand_out(self._waiting, count, _resolve)
+
     def _bump(self, count: int | None) -> None:
         """Wake ``count`` waiters (every one when None), oldest first (see ``hand_out``)."""
         if hand_out(self._waiting, count, _resolve):

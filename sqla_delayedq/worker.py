@@ -120,6 +120,10 @@ class ThreadRuntime:
             if hand_out(self._waiting, count, _flag):
                 self._generation += 1
 
+    def wake_idle(self, count: int) -> None:
+        with self._lock:
+            hand_out(self._waiting, count, _flag)
+
 
 class Worker(BaseWorker[sessionmaker[Session]]):
     """Run plain-function handlers for one or more queues on ``concurrency`` threads.

@@ -760,6 +760,34 @@ def test_a_lease_consumer_that_took_sleeps_until_the_next_due_message(backend, m
     assert due <= handled[1][1] <= offered + timedelta(seconds=10)  # not the 30 s poll
 
 
+def test_a_due_row_a_take_looked_ahead_to_goes_to_an_idle_consumer_at_once(backend, make_worker):
+    """A lease take locks the row after those it takes until it commits, to know whether more
+    is due; a consumer woken meanwhile skips that row. The take that saw more wakes an idle
+    consumer, which takes the row at once, not the first consumer after its handler."""
+    q: DelayedQueue[Any] = DelayedQueue("look-ahead-handoff")
+    silent: DelayedQueue[Any] = DelayedQueue("look-ahead-handoff", notify=False)
+    b_started = threading.Event()
+    seen: dict[str, bool] = {}
+
+    def handle(env: Any) -> None:
+        if env.key == "a":
+            seen["b while a ran"] = b_started.wait(10)
+        elif env.key == "b":
+            b_started.set()
+
+    worker = make_worker(backend, concurrency=2, poll_interval=30, listen=False)
+    worker.register(q, handle)
+    now = utcnow()
+    with running(worker):
+        assert wait_for(lambda: waiting(worker) == 2, 20)
+        with backend.Session() as s, s.begin():
+            silent.offer(s, "a", {}, now - timedelta(seconds=2))  # no wake-up for these two
+            silent.offer(s, "b", {}, now - timedelta(seconds=1))
+            q.offer(s, "later", {}, now + timedelta(minutes=5))  # wakes one consumer
+        assert wait_for(lambda: "b while a ran" in seen, 30)
+    assert seen["b while a ran"]  # before: b waited for a's handler (and its 10 s)
+
+
 def test_an_idle_lease_consumer_asks_for_no_next_due_time_after_a_take(pg):
     """On PostgreSQL a take that found no more due reads when the next row is due in its own
     statement: no separate query for it."""
@@ -784,6 +812,36 @@ def test_an_idle_lease_consumer_asks_for_no_next_due_time_after_a_take(pg):
             sa.event.remove(pg.engine, "before_cursor_execute", before)
     takes = [s for s in statements if s.lstrip().startswith("WITH picked")]
     assert len(takes) == 1 and "AS next_at" in takes[0]
+    asked = [s for s in statements if s.lstrip().startswith("SELECT min(")]
+    assert asked == [], asked
+
+
+def test_an_empty_lease_take_reads_when_the_next_message_is_due_in_its_own_statement(pg):
+    """On PostgreSQL a lease take that found nothing (a consumer woken for a message another
+    consumer took first, or starting on a queue with only later messages) still reads when the
+    next row is due: the consumer sleeps until then, with no separate query to ask."""
+    q: DelayedQueue[Any] = DelayedQueue("ahead-empty-take")
+    handled: list[tuple[str, datetime]] = []
+    statements: list[str] = []
+    worker = Worker(pg.Session, concurrency=1, poll_interval=30, listen=False)
+    worker.register(q, lambda env: handled.append((env.key, utcnow())))
+    offered = utcnow()
+    due = offered + timedelta(seconds=1.5)
+    with pg.Session() as s, s.begin():
+        q.offer(s, "later", {}, due)
+
+    def before(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        statements.append(statement)
+
+    sa.event.listen(pg.engine, "before_cursor_execute", before)
+    try:
+        with running(worker):
+            assert wait_for(lambda: len(handled) == 1, 20)
+    finally:
+        sa.event.remove(pg.engine, "before_cursor_execute", before)
+    assert due <= handled[0][1] <= offered + timedelta(seconds=10)  # not the 30 s poll
+    takes = [s for s in statements if s.lstrip().startswith("WITH picked")]
+    assert len(takes) >= 2 and all("AS next_at" in take for take in takes)
     asked = [s for s in statements if s.lstrip().startswith("SELECT min(")]
     assert asked == [], asked
 
