@@ -17,6 +17,7 @@ baseline is the contract's round trips rather than this library's code.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import statistics
@@ -392,11 +393,25 @@ def _drain(
     import psycopg
 
     _fill(url, n)
+    return _consumers(
+        backend, n, consumers, take, lambda: psycopg.connect(_libpq(url), autocommit=autocommit)
+    )
+
+
+def _consumers(
+    backend: str,
+    n: int,
+    consumers: int,
+    take: Callable[[Any], int],
+    connect: Callable[[], contextlib.AbstractContextManager[Any]],
+) -> Measure:
+    """``consumers`` threads, each in ``with connect() as conn``, call ``take(conn)`` until it
+    returns 0; measured, and checked to have taken the ``n`` messages the queue held."""
     counts: list[int] = []
     lock = threading.Lock()
 
     def consume() -> None:
-        with psycopg.connect(_libpq(url), autocommit=autocommit) as conn:
+        with connect() as conn:
             while taken := take(conn):
                 with lock:
                     counts.append(taken)
@@ -712,24 +727,10 @@ def _floor_drain(
     _fill(url, n)
     engine = sa.create_engine(url, pool_size=consumers + 2)
     sessions = sessionmaker(engine)
-    counts: list[int] = []
-    lock = threading.Lock()
-
-    def consume() -> None:
-        while taken := take(sessions):
-            with lock:
-                counts.append(taken)
-
-    with Meter(backend) as m:
-        threads = [threading.Thread(target=consume) for _ in range(consumers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    engine.dispose()
-    if sum(counts) != n:
-        raise RuntimeError(f"drained {sum(counts)} of {n}")
-    return m.result(n)
+    try:
+        return _consumers(backend, n, consumers, take, lambda: contextlib.nullcontext(sessions))
+    finally:
+        engine.dispose()
 
 
 def floor_c1(url: URL, backend: str, n: int, consumers: int = 4) -> Measure:
