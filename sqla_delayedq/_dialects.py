@@ -667,10 +667,10 @@ class PostgreSQLStrategy(Strategy):
     @staticmethod
     def _claims(rows: Sequence[Any], full: int, ahead: bool) -> Claims:
         """The rows a take returned; ``full``: how many rows its pick locked when more may be
-        due (the limit and :func:`st.look_ahead`). With ``ahead`` the rows carry ``next_at``
-        (:func:`st.claim_ahead`, :func:`st.ack_and_claim`), and one row of NULLs stands for an
-        empty take."""
-        taken = [r for r in rows if r.id is not None] if ahead else rows
+        due (the limit and :func:`st.look_ahead`). A row of NULLs stands for an empty take
+        (:func:`st.claim_ahead`, :func:`st.ack_and_claim`); with ``ahead`` the rows carry
+        ``next_at``."""
+        taken = [r for r in rows if r.id is not None]
         claimed = [
             Claimed(r, lost_token(r.prev_token), r.prev_scheduled_at, held_due(r.prev_token))
             for r in taken
@@ -701,11 +701,8 @@ class PostgreSQLStrategy(Strategy):
         )
         params = {**P.take(queue, now, lease_until, limit, prefix), **ack}
         rows = session.execute(stmt, params).all()
-        full = limit + st.look_ahead(grouping)
-        if grouping is None:  # with groups a due row need not be one a take may pick
-            claims = self._claims(rows, full, True)
-        else:
-            claims = self._claims([r for r in rows if r.id is not None], full, False)
+        # With groups a due row need not be one a take may pick: no next_at then.
+        claims = self._claims(rows, limit + st.look_ahead(grouping), grouping is None)
         return int(rows[0].acked), claims
 
     @staticmethod
