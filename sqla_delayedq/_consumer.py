@@ -781,12 +781,13 @@ class BaseWorker(Generic[S]):
         return listener
 
     def _side_tasks(self, bind: Any) -> list[Periodic]:
-        """The periodic tasks to run: the registered ones, the clock skew check of the queues
-        on the system clock, and where the backend needs it the planner statistics keeper of
-        the worker's tables."""
+        """The periodic tasks to run: the registered ones, the refresher of the queue
+        controls' picture, the clock skew check of the queues on the system clock, and where
+        the backend needs it the planner statistics keeper of the worker's tables."""
         tasks = list(self._periodic)
         if bind is None:
             return tasks
+        tasks.append(Periodic("queue controls", controls.Refresher(), controls.REFRESH / 2))
         engine = getattr(bind, "sync_engine", bind)
         strategy = strategy_class(engine.dialect)
         checked = [r for r in self._registrations if _skew.checked(r.source)]

@@ -40,7 +40,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.orm import Session
 
 from . import _wakeup
-from ._dialects import strategy_for
+from ._dialects import is_transient, strategy_for
 from ._statements import affected
 from ._time import LONGEST, require_duration
 from .errors import DelayedQueueError, InvalidArgument
@@ -135,6 +135,10 @@ _lock = threading.Lock()
 #: when the table is missing).
 _cache: weakref.WeakKeyDictionary[Engine, dict[str, tuple[float, dict[str, QueueControls] | None]]]
 _cache = weakref.WeakKeyDictionary()
+#: engine -> the tables whose fresh picture a take used since the last :class:`Refresher` pass.
+_used: weakref.WeakKeyDictionary[Engine, set[str]] = weakref.WeakKeyDictionary()
+#: Counts :func:`invalidate` calls: a read that began before one does not overwrite it.
+_generation = 0
 
 
 #: The shortest :data:`REFRESH` a worker can ask for: a refresh is a savepoint and a select.
@@ -152,7 +156,9 @@ def keep_fresh(seconds: float) -> None:
 
 def invalidate(table: str | None = None) -> None:
     """Forget what this process knows of ``table``'s controls (every table: None)."""
+    global _generation
     with _lock:
+        _generation += 1
         for tables in _cache.values():
             if table is None:
                 tables.clear()
@@ -170,11 +176,22 @@ def lookup(session: Session, table: str, queue: str) -> QueueControls | None:
     fresh, controls = _peek(engine, table, queue)
     if fresh:
         return controls
-    now = time.monotonic()
+    queues = _read(session, engine, table)
+    return None if queues is None else queues.get(queue)
+
+
+def _read(session: Session, engine: Engine, table: str) -> dict[str, QueueControls] | None:
+    """Read ``table``'s controlled queues in ``session``'s transaction and keep them as this
+    process's picture, unless an :func:`invalidate` came while the read ran (the picture it
+    dropped may be older than the change that caused it: the next look reads again)."""
+    with _lock:
+        generation = _generation
+    read_at = time.monotonic()
     queues = _read_table(session, table)
     with _lock:
-        _cache.setdefault(engine, {})[table] = (now, queues)
-    return None if queues is None else queues.get(queue)
+        if generation == _generation:
+            _cache.setdefault(engine, {})[table] = (read_at, queues)
+    return queues
 
 
 def known(session: Session, table: str, queue: str) -> tuple[bool, QueueControls | None]:
@@ -189,12 +206,38 @@ def _peek(engine: Engine, table: str, queue: str) -> tuple[bool, QueueControls |
     to use without reading; ``(False, None)`` when it must be read again."""
     with _lock:
         entry = _cache.get(engine, {}).get(table)
-    if entry is None:
-        return False, None
-    read_at, queues = entry
-    if time.monotonic() - read_at >= (MISSING_RECHECK if queues is None else REFRESH):
-        return False, None
+        if entry is None:
+            return False, None
+        read_at, queues = entry
+        if time.monotonic() - read_at >= (MISSING_RECHECK if queues is None else REFRESH):
+            return False, None
+        if queues is not None:
+            _used.setdefault(engine, set()).add(table)
     return True, None if queues is None else queues.get(queue)
+
+
+class Refresher:
+    """A worker's side task that keeps this process's picture of the controls fresh while its
+    consumers use it, so that no take waits for a read: each pass reads again, in a transaction
+    of its own, every table a take found fresh since the last pass. Run every ``REFRESH / 2``
+    seconds, it keeps the picture younger than :data:`REFRESH` as long as the database
+    answers; when it does not, the take that finds the picture stale reads it itself, as it
+    would without a refresher. An idle worker reads nothing."""
+
+    def __call__(self, sessions: Callable[[], Session]) -> None:
+        try:
+            with sessions() as session:
+                engine = session.get_bind().engine
+                with _lock:
+                    tables = sorted(_used.pop(engine, ()))
+                for table in tables:
+                    with session.begin():
+                        _read(session, engine, table)
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            # The takes read the picture themselves once it is stale; they report the error.
+            log.debug("queue controls not read again: %s", exc)
 
 
 def _read_table(session: Session, table: str) -> dict[str, QueueControls] | None:

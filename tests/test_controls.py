@@ -458,6 +458,72 @@ def test_a_long_transactional_handler_of_a_limited_queue_keeps_its_lease(backend
     assert runs == [("job", 1)]  # once, never beside itself
 
 
+def _in_refresher() -> bool:
+    """Whether the caller runs inside the worker's controls refresher (its frames, whichever
+    thread or greenlet it is)."""
+    frame = sys._getframe()
+    while frame is not None:
+        if frame.f_code is controls.Refresher.__call__.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def test_a_busy_worker_s_takes_do_not_wait_for_the_controls(backend, make_worker, monkeypatch):
+    """A take that found this process's picture of the controls stale read it in its own
+    transaction (a savepoint, a select, a release: once a second on the hot path, the tail of
+    L1X). The worker's refresher reads the picture again while its consumers use it, so after
+    the first look no take reads it: only the refresher does."""
+    monkeypatch.setattr(controls, "REFRESH", 0.4)  # a refresher pass every 0.2 s
+    reads: list[bool] = []
+    read_table = controls._read_table
+
+    def counted(session: Session, table: str) -> Any:
+        reads.append(_in_refresher())
+        return read_table(session, table)
+
+    monkeypatch.setattr(controls, "_read_table", counted)
+    q: DelayedQueue[Any] = DelayedQueue("refreshed")
+    handled: list[str] = []
+
+    def handler(env: Envelope[Any]) -> None:
+        time.sleep(0.01)
+        handled.append(env.key)
+
+    offer_many(backend, q, 500)
+    worker = make_worker(backend, concurrency=2, poll_interval=1.0)
+    worker.register(q, handler)
+    with running(worker):
+        assert wait_for(lambda: len(handled) == 500, 60)
+    # Each consumer's first look, and on PostgreSQL one more after the listener connects (a
+    # listener that (re)connects forgets the picture: it may have missed a change).
+    by_takes = reads.count(False)
+    assert by_takes <= 3, f"takes read the controls {by_takes} times"
+    assert reads.count(True) >= 5  # at least 2.5 s of takes at 2 x 100 a second
+
+
+def test_a_picture_read_across_a_change_is_not_kept(backend, monkeypatch):
+    """A change announced while a read of the controls ran (a ``NOTIFY``, or this process's
+    own change): the read may predate the change, so its picture is not kept and the next look
+    reads again. Kept, it would hide a pause for up to ``REFRESH``."""
+    q: DelayedQueue[Any] = DelayedQueue("read-across")
+    read_table = controls._read_table
+
+    def changed_meanwhile(session: Session, table: str) -> Any:
+        found = read_table(session, table)
+        controls.invalidate()
+        return found
+
+    monkeypatch.setattr(controls, "_read_table", changed_meanwhile)
+    with backend.Session() as s, s.begin():
+        assert q.gate(s) is None
+        assert controls.known(s, q.wake_key, q.name) == (False, None)
+    monkeypatch.setattr(controls, "_read_table", read_table)
+    with backend.Session() as s, s.begin():
+        assert q.gate(s) is None
+        assert controls.known(s, q.wake_key, q.name) == (True, None)
+
+
 def test_a_resume_from_another_process_wakes_an_idle_worker_through_notify(pg):
     """PostgreSQL: a resume committed by another process wakes an idle worker at once, not at
     its poll interval (30 s here)."""
