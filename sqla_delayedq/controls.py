@@ -219,20 +219,19 @@ def _peek(engine: Engine, table: str, queue: str) -> tuple[bool, QueueControls |
 class Refresher:
     """A worker's side task that keeps this process's picture of the controls fresh while its
     consumers use it, so that no take waits for a read: each pass reads again, in a transaction
-    of its own, every table a take found fresh since the last pass. Run every ``REFRESH / 2``
-    seconds, it keeps the picture younger than :data:`REFRESH` as long as the database
-    answers; when it does not, the take that finds the picture stale reads it itself, as it
-    would without a refresher. An idle worker reads nothing."""
+    of its own that commits nothing, every table a take found fresh since the last pass. Run
+    every ``REFRESH / 2`` seconds, it keeps the picture younger than :data:`REFRESH` as long as
+    the database answers; when it does not, the take that finds the picture stale reads it
+    itself, as it would without a refresher. An idle worker reads nothing."""
 
     def __call__(self, sessions: Callable[[], Session]) -> None:
         try:
-            with sessions() as session:
+            with sessions() as session:  # a read: the close rolls its transaction back
                 engine = session.get_bind().engine
                 with _lock:
                     tables = sorted(_used.pop(engine, ()))
                 for table in tables:
-                    with session.begin():
-                        _read(session, engine, table)
+                    _read(session, engine, table)
         except Exception as exc:
             if not is_transient(exc):
                 raise
