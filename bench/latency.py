@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -55,12 +56,17 @@ def _producer_cmd(system: str, url: URL, n: int) -> list[str]:
 def _result(m: Meter, n: int, out: str, started: dict[int, float]) -> Measure:
     produced = json.loads(out.strip().splitlines()[-1])
     committed = produced["committed"]
-    missing = [i for i in range(n) if i not in started]
+    warmup = produced["warmup_committed"]
+    ids = list(range(n)) + [-1 - j for j in range(len(warmup))]
+    missing = [i for i in ids if i not in started]
     if missing:
-        raise RuntimeError(f"{len(missing)} of {n} messages never reached a handler")
+        raise RuntimeError(f"{len(missing)} of {len(ids)} messages never reached a handler")
+    cold = sorted(started[-1 - j] - at for j, at in enumerate(warmup))
     return m.result(
         n,
         **_percentiles([started[i] - committed[i] for i in range(n)]),
+        cold_p50_ms=statistics.median(cold) * 1000,
+        cold_max_ms=cold[-1] * 1000,
         producer_cpu_us_per_msg=produced["cpu"] / n * 1e6,
     )
 

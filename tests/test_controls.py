@@ -461,7 +461,7 @@ def test_a_long_transactional_handler_of_a_limited_queue_keeps_its_lease(backend
 def _in_refresher() -> bool:
     """Whether the caller runs inside the worker's controls refresher (its frames, whichever
     thread or greenlet it is)."""
-    frame = sys._getframe()
+    frame: Any = sys._getframe()
     while frame is not None:
         if frame.f_code is controls.Refresher.__call__.__code__:
             return True
