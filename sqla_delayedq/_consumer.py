@@ -395,6 +395,25 @@ class Periodic:
     on_stop: Callable[[Callable[[], Session]], Any] | None = None
 
 
+class _Pushing(Listener):
+    """A started listener that, until it stops, lets this process keep its picture of the
+    controls of the listened tables longer (see :func:`~sqla_delayedq.controls.pushed`): the
+    listener hears every change, so no take need read them once a second."""
+
+    def __init__(self, listener: Listener, release: Callable[[], None]) -> None:
+        self.listener = listener
+        self.release = release
+
+    def start(self) -> None:
+        self.listener.start()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        try:
+            self.listener.stop(timeout)
+        finally:
+            self.release()
+
+
 @dataclass(frozen=True)
 class Registration:
     source: Source
@@ -774,20 +793,21 @@ class BaseWorker(Generic[S]):
         if not self.listen or bind is None:
             return None
         engine = getattr(bind, "sync_engine", bind)  # an AsyncEngine's sync face has the URL
-        listener = strategy_class(engine.dialect).listener(engine.url, self._tables(), wake)
-        if listener is not None:
-            listener.start()
-            self._listening = True
-        return listener
+        tables = self._tables()
+        listener = strategy_class(engine.dialect).listener(engine.url, tables, wake)
+        if listener is None:
+            return None
+        listener.start()
+        self._listening = True
+        return _Pushing(listener, controls.pushed(engine, tables))
 
     def _side_tasks(self, bind: Any) -> list[Periodic]:
-        """The periodic tasks to run: the registered ones, the refresher of the queue
-        controls' picture, the clock skew check of the queues on the system clock, and where
-        the backend needs it the planner statistics keeper of the worker's tables."""
+        """The periodic tasks to run: the registered ones, the clock skew check of the queues
+        on the system clock, and where the backend needs it the planner statistics keeper of
+        the worker's tables."""
         tasks = list(self._periodic)
         if bind is None:
             return tasks
-        tasks.append(Periodic("queue controls", controls.Refresher(), controls.REFRESH / 2))
         engine = getattr(bind, "sync_engine", bind)
         strategy = strategy_class(engine.dialect)
         checked = [r for r in self._registrations if _skew.checked(r.source)]

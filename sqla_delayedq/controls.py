@@ -40,7 +40,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.orm import Session
 
 from . import _wakeup
-from ._dialects import is_transient, strategy_for
+from ._dialects import strategy_for
 from ._statements import affected
 from ._time import LONGEST, require_duration
 from .errors import DelayedQueueError, InvalidArgument
@@ -66,6 +66,10 @@ log = logging.getLogger("sqla_delayedq.controls")
 
 #: How old, in seconds, a process's picture of which queues are controlled may be.
 REFRESH = 1.0
+#: How old the picture of a table's controls may be while a listener hears their every change
+#: (:func:`pushed`): a safety net for a change made without this API (by hand in SQL), which
+#: sends no ``NOTIFY``.
+PUSHED_REFRESH = 30.0
 #: How long a process believes the controls table is missing before it looks again.
 MISSING_RECHECK = 30.0
 #: How soon a consumer that found a queue at its in-flight limit tries again, at most.
@@ -135,8 +139,9 @@ _lock = threading.Lock()
 #: when the table is missing).
 _cache: weakref.WeakKeyDictionary[Engine, dict[str, tuple[float, dict[str, QueueControls] | None]]]
 _cache = weakref.WeakKeyDictionary()
-#: engine -> the tables whose fresh picture a take used since the last :class:`Refresher` pass.
-_used: weakref.WeakKeyDictionary[Engine, set[str]] = weakref.WeakKeyDictionary()
+#: engine -> table -> how many listeners push every change of the table's controls to this
+#: process (see :func:`pushed`).
+_pushed: weakref.WeakKeyDictionary[Engine, dict[str, int]] = weakref.WeakKeyDictionary()
 #: Counts :func:`invalidate` calls: a read that began before one does not overwrite it.
 _generation = 0
 
@@ -209,34 +214,34 @@ def _peek(engine: Engine, table: str, queue: str) -> tuple[bool, QueueControls |
         if entry is None:
             return False, None
         read_at, queues = entry
-        if time.monotonic() - read_at >= (MISSING_RECHECK if queues is None else REFRESH):
+        if queues is None:
+            limit = MISSING_RECHECK
+        else:
+            limit = PUSHED_REFRESH if _pushed.get(engine, {}).get(table) else REFRESH
+        if time.monotonic() - read_at >= limit:
             return False, None
-        if queues is not None:
-            _used.setdefault(engine, set()).add(table)
     return True, None if queues is None else queues.get(queue)
 
 
-class Refresher:
-    """A worker's side task that keeps this process's picture of the controls fresh while its
-    consumers use it, so that no take waits for a read: each pass reads again, in a transaction
-    of its own that commits nothing, every table a take found fresh since the last pass. Run
-    every ``REFRESH / 2`` seconds, it keeps the picture younger than :data:`REFRESH` as long as
-    the database answers; when it does not, the take that finds the picture stale reads it
-    itself, as it would without a refresher. An idle worker reads nothing."""
+def pushed(engine: Engine, tables: list[str]) -> Callable[[], None]:
+    """Note that a listener now hears every change of ``tables``' controls on ``engine``
+    (PostgreSQL's ``NOTIFY``, on which the listener :func:`invalidate` this process's picture
+    at once, as it does whenever it (re)connects): until the returned call, their picture is
+    read again only every :data:`PUSHED_REFRESH` seconds, so a worker's takes do not read it
+    once a second."""
+    with _lock:
+        counts = _pushed.setdefault(engine, {})
+        for table in tables:
+            counts[table] = counts.get(table, 0) + 1
 
-    def __call__(self, sessions: Callable[[], Session]) -> None:
-        try:
-            with sessions() as session:  # a read: the close rolls its transaction back
-                engine = session.get_bind().engine
-                with _lock:
-                    tables = sorted(_used.pop(engine, ()))
-                for table in tables:
-                    _read(session, engine, table)
-        except Exception as exc:
-            if not is_transient(exc):
-                raise
-            # The takes read the picture themselves once it is stale; they report the error.
-            log.debug("queue controls not read again: %s", exc)
+    def release() -> None:
+        with _lock:
+            for table in tables:
+                counts[table] -= 1
+                if not counts[table]:
+                    del counts[table]
+
+    return release
 
 
 def _read_table(session: Session, table: str) -> dict[str, QueueControls] | None:

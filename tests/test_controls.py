@@ -458,32 +458,22 @@ def test_a_long_transactional_handler_of_a_limited_queue_keeps_its_lease(backend
     assert runs == [("job", 1)]  # once, never beside itself
 
 
-def _in_refresher() -> bool:
-    """Whether the caller runs inside the worker's controls refresher (its frames, whichever
-    thread or greenlet it is)."""
-    frame: Any = sys._getframe()
-    while frame is not None:
-        if frame.f_code is controls.Refresher.__call__.__code__:
-            return True
-        frame = frame.f_back
-    return False
-
-
-def test_a_busy_worker_s_takes_do_not_wait_for_the_controls(backend, make_worker, monkeypatch):
-    """A take that found this process's picture of the controls stale read it in its own
-    transaction (a savepoint, a select, a release: once a second on the hot path, the tail of
-    L1X). The worker's refresher reads the picture again while its consumers use it, so after
-    the first look no take reads it: only the refresher does."""
-    monkeypatch.setattr(controls, "REFRESH", 0.4)  # a refresher pass every 0.2 s
-    reads: list[bool] = []
+def _counting_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every read of the controls table from now on (its table key), in a list."""
+    reads: list[str] = []
     read_table = controls._read_table
 
     def counted(session: Session, table: str) -> Any:
-        reads.append(_in_refresher())
+        reads.append(table)
         return read_table(session, table)
 
     monkeypatch.setattr(controls, "_read_table", counted)
-    q: DelayedQueue[Any] = DelayedQueue("refreshed")
+    return reads
+
+
+def _drain(backend: Any, make_worker: Any, name: str, **options: Any) -> Any:
+    """500 messages drained by 2 consumers at about 100 a second each (2.5 s at least)."""
+    q: DelayedQueue[Any] = DelayedQueue(name)
     handled: list[str] = []
 
     def handler(env: Envelope[Any]) -> None:
@@ -491,15 +481,41 @@ def test_a_busy_worker_s_takes_do_not_wait_for_the_controls(backend, make_worker
         handled.append(env.key)
 
     offer_many(backend, q, 500)
-    # No listener: one that connects forgets the picture (it may have missed a change), and a
-    # consumer or two would read it again.
-    worker = make_worker(backend, concurrency=2, poll_interval=1.0, listen=False)
+    worker = make_worker(backend, concurrency=2, poll_interval=1.0, **options)
     worker.register(q, handler)
     with running(worker):
         assert wait_for(lambda: len(handled) == 500, 60)
-    by_takes = reads.count(False)
-    assert by_takes <= 2, f"takes read the controls {by_takes} times (once per consumer)"
-    assert reads.count(True) >= 5  # at least 2.5 s of takes at 2 x 100 a second
+    return q
+
+
+def test_a_listening_worker_s_takes_do_not_read_the_controls_once_a_second(
+    pg, make_worker, monkeypatch
+):
+    """A take that found this process's picture of the controls stale read it in its own
+    transaction (a savepoint, a select, a release): once a second on the hot path, the tail of
+    L1X. A worker whose listener hears every change of the controls (``NOTIFY``) keeps the
+    picture until a change, a reconnection or ``PUSHED_REFRESH``; once it stops, the picture
+    is kept only ``REFRESH`` again."""
+    monkeypatch.setattr(controls, "REFRESH", 0.2)
+    reads = _counting_reads(monkeypatch)
+    q = _drain(pg, make_worker, "pushed")
+    # Each consumer's first look, and again after the listener connected (it may have missed a
+    # change): 12 or more reads at one per REFRESH over the drain's 2.5 s.
+    assert len(reads) <= 4, f"takes read the controls {len(reads)} times"
+    time.sleep(0.3)
+    with pg.Session() as s, s.begin():
+        assert controls.known(s, q.wake_key, q.name) == (False, None)
+
+
+def test_without_a_listener_takes_read_the_controls_every_refresh(
+    backend, make_worker, monkeypatch
+):
+    """Where nothing hears the changes (MariaDB, SQLite, or ``listen=False``) a pause must
+    reach the worker within ``REFRESH``: its takes read the controls that often."""
+    monkeypatch.setattr(controls, "REFRESH", 0.2)
+    reads = _counting_reads(monkeypatch)
+    _drain(backend, make_worker, "polled", listen=False)
+    assert len(reads) >= 6  # 2.5 s at least, a read per 0.2 s
 
 
 def test_a_picture_read_across_a_change_is_not_kept(backend, monkeypatch):
