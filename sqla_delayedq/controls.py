@@ -225,17 +225,21 @@ def _peek(engine: Engine, table: str, queue: str) -> tuple[bool, QueueControls |
 
 def pushed(engine: Engine, tables: list[str]) -> Callable[[], None]:
     """Note that a listener now hears every change of ``tables``' controls on ``engine``
-    (PostgreSQL's ``NOTIFY``, on which the listener :func:`invalidate` this process's picture
-    at once, as it does whenever it (re)connects): until the returned call, their picture is
-    read again only every :data:`PUSHED_REFRESH` seconds, so a worker's takes do not read it
-    once a second."""
+    (PostgreSQL's ``NOTIFY``, on which its worker calls :func:`invalidate`, as it does whenever
+    the listener (re)connects): until the returned call (once; later calls do nothing), their
+    picture is read again only every :data:`PUSHED_REFRESH` seconds, so a worker's takes do not
+    read it once a second."""
     with _lock:
         counts = _pushed.setdefault(engine, {})
         for table in tables:
             counts[table] = counts.get(table, 0) + 1
+    held = [True]
 
     def release() -> None:
         with _lock:
+            if not held:
+                return
+            held.clear()
             for table in tables:
                 counts[table] -= 1
                 if not counts[table]:
