@@ -4,7 +4,8 @@ The controls of a queue are one row of ``delayedq_queue_controls`` (revision ``d
 so every worker process and machine obeys the same switch. A queue without a row is *plain* and
 takes exactly as before: consumers learn which queues are controlled from a per-process cache
 (:data:`REFRESH` seconds old at most, invalidated at once in the process that changed it and,
-on PostgreSQL, by ``NOTIFY`` in every process), so the plain path costs nothing more.
+on PostgreSQL, by ``NOTIFY`` in every process; a worker whose listener hears those keeps it
+until a change, up to :data:`PUSHED_REFRESH`), so the plain path costs nothing more.
 
 - **Paused**: offers are accepted, nothing is taken. Messages already in flight finish.
   ``resume`` wakes idle consumers at once (through ``NOTIFY`` on PostgreSQL).
@@ -47,6 +48,7 @@ from .errors import DelayedQueueError, InvalidArgument
 from .models import QUEUE_MAX, controls_table
 
 __all__ = [
+    "PUSHED_REFRESH",
     "REFRESH",
     "UNSET",
     "Admission",
