@@ -4,10 +4,10 @@ Interleaved on one fresh database, ``--rounds`` batches of ``--size`` new messag
 
 - **ours**: ``offer_batch`` in a ``sessions.begin()`` block, split by cursor events into the
   client's work before the insert (checking and serialising the messages, building the
-  document), the insert statement's round trip, the client's work after it (reading back
+  column arrays), the insert statement's round trip, the client's work after it (reading back
   which keys were written, the outcomes) and the rest (the commit: the insert carries the wake-up);
-- **our statement alone**: the same compiled insert sent through bare psycopg with a document
-  built beforehand: what the server and the wire cost;
+- **our statement alone**: the same compiled insert sent through bare psycopg with its column
+  arrays built beforehand: what the server and the wire cost;
 - **reference**: the hand-written same-contract batch of ``bench.workloads.contract_e2``
   (one ``json.dumps`` and one insert-select that returns the keys written).
 
@@ -85,8 +85,10 @@ def main(argv: list[str] | None = None) -> int:
             add("ours: commit", (ended - returned) * 1e3)
 
             now = datetime.now(timezone.utc)
-            doc = json.dumps([{"k": f"s-{i}", "p": payload(i)} for i in keys])
-            params = {"u_queue": QUEUE, "u_type": "json", "u_now": now, "u_rows": doc}
+            params = {"u_queue": QUEUE, "u_type": "json", "u_now": now}
+            params |= {f"u_{name}": None for name in st.RECORDSET_COLUMNS}
+            params["u_k"] = json.dumps([f"s-{i}" for i in keys])
+            params["u_p"] = json.dumps([payload(i) for i in keys])
             params |= {k: v for k, v in compiled.params.items() if k not in params}
             started = time.perf_counter()
             with raw.transaction():

@@ -22,7 +22,6 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from json.encoder import encode_basestring_ascii
 from types import SimpleNamespace
 from typing import Any, ClassVar, NamedTuple, ParamSpec, Protocol, TypeVar
 
@@ -77,6 +76,30 @@ log = logging.getLogger("sqla_delayedq.listener")
 #: take: on PostgreSQL that commit need not wait for the WAL flush (``st.claim_returning``).
 #: A user's ``try_poll`` in a transaction of their own never has it.
 TAKE_ONLY = "sqla_delayedq.take_only"
+
+
+#: ``json.dumps`` without its per-call set-up (the batch insert encodes a list per column).
+_encode_json = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def _json_array(values: list[Any], absent: Any = None) -> str | None:
+    """``values`` as a JSON array, or None (SQL NULL) when every one is ``absent``."""
+    return None if values.count(absent) == len(values) else _encode_json(values)
+
+
+def _spliced(texts: list[str | None]) -> str | None:
+    """Payloads as serialized (JSON text) spliced into one JSON array; None when they are bytes
+    (one serializer per queue: every payload is JSON text, or every one is bytes)."""
+    if texts[0] is None:
+        return None
+    return f"[{','.join(texts)}]"  # type: ignore[arg-type]  # all text, as above
+
+
+def _times(values: list[datetime | None]) -> str | None:
+    """Times as a JSON array of ISO 8601 text, or None when there are none."""
+    if values.count(None) == len(values):
+        return None
+    return _encode_json([None if v is None else v.isoformat() for v in values])
 
 
 class NewRow(Protocol):
@@ -586,31 +609,20 @@ class PostgreSQLStrategy(Strategy):
         *,
         notify: str | None = None,
     ) -> set[str]:
-        # The chunk travels as one JSON document; payloads are spliced in as already serialized.
-        quote = encode_basestring_ascii  # json.dumps of a str, without the call overhead
-        parts = []
-        for r in rows:
-            doc = '{"k":' + quote(r.key)
-            if r.text is not None:
-                doc += ',"p":' + r.text
-            if r.raw is not None:
-                doc += ',"b":"' + r.raw.hex() + '"'
-            if r.at is not None:
-                doc += ',"a":"' + r.at.isoformat() + '"'
-            if r.at0 is not None:
-                doc += ',"a0":"' + r.at0.isoformat() + '"'
-            if r.headers is not None:
-                doc += ',"h":' + quote(r.headers)
-            if r.group is not None:
-                doc += ',"g":' + quote(r.group)
-            if r.priority:
-                doc += ',"r":' + str(r.priority)
-            parts.append(doc + "}")
+        # The chunk travels as one JSON array per column (see st.recordset_insert): each built
+        # by one join or one encoder call, the payloads spliced in as already serialized.
         params = {
             "u_queue": queue,
             "u_type": type_name,
             "u_now": now,
-            "u_rows": f"[{','.join(parts)}]",
+            "u_k": _json_array([r.key for r in rows]),
+            "u_p": _spliced([r.text for r in rows]),
+            "u_b": _json_array([None if r.raw is None else r.raw.hex() for r in rows]),
+            "u_a": _times([r.at for r in rows]),
+            "u_a0": _times([r.at0 for r in rows]),
+            "u_h": _json_array([r.headers for r in rows]),
+            "u_g": _json_array([r.group for r in rows]),
+            "u_r": _json_array([r.priority for r in rows], 0),
         }
         if notify is None:
             stmt = self.cached(t, "insert_rows", lambda: st.recordset_insert(t))

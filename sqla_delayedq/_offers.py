@@ -9,8 +9,9 @@ one per message:
   successive single offers would have acted. Chunks of distinct keys are sorted, so concurrent
   batches lock rows in the same order.
 - One insert-if-absent of every key as if new (on PostgreSQL a single ``INSERT ... SELECT FROM
-  jsonb_to_recordset(...)``) reports the keys it wrote; only the keys it did not write are then
-  read (locked) and updated, with one executemany of guarded updates. On MariaDB/MySQL the
+  ROWS FROM (jsonb_array_elements(...), ...)``, one JSON array per column) reports the keys
+  it wrote; only the keys it did not write are then read (locked) and updated, with one
+  executemany of guarded updates. On MariaDB/MySQL the
   insert already holds those rows exclusively (see ``MySQLStrategy``), so racing batches queue
   for them instead of deadlocking.
 - A key deleted between the insert and the read is inserted again; one inserted by a concurrent
@@ -31,7 +32,7 @@ from sqlalchemy import Connection, Table, bindparam, update
 from sqlalchemy.orm import Session
 
 from . import _statements as st
-from ._codec import Codec, check_name
+from ._codec import Codec, check_name, check_names
 from ._dialects import NewRow, Strategy, strategy_for, strategy_for_bind
 from ._rules import new_row, offer_changes
 from ._time import require_aware
@@ -212,8 +213,8 @@ class _Item:
         key: str,
         stored: str | bytes,
         at: datetime | None,
-        headers: str | None,
         group: str | None,
+        headers: str | None,
         priority: int,
     ) -> None:
         self._codec, self.key, self.at = codec, key, at
@@ -267,25 +268,36 @@ def _validate(
     group: str | None,
     priority: int,
 ) -> list[_Item]:
-    """Every message checked and serialized, before any SQL runs (a hot loop: names are looked
-    up once)."""
-    codec = q.codec
-    items: list[_Item] = []
-    append, serialize, check = items.append, codec.serialize, q._check_group
+    """Every message checked and serialized, before any SQL runs. A hot loop: each message is
+    unpacked once, then the keys and the payloads are checked a whole batch at a time."""
+    keys: list[Any] = []
+    payloads: list[Any] = []
+    own: dict[int, tuple[datetime | None, str | None]] = {}  # messages with a time or group
+    add_key, add_payload, new_key = keys.append, payloads.append, uuid.uuid4
     for i, message in enumerate(messages):
         if not isinstance(message, tuple) or not 2 <= len(message) <= 4:
             raise InvalidArgument(f"messages[{i}] must be {_SHAPE}")
-        at, own_group = None, group
         if len(message) == 2:
             key, payload = message
         else:
             key, payload, at, *rest = message
             if at is not None:
                 at = require_aware(at, f"messages[{i}] at")
-            if rest and rest[0] is not None:
-                own_group = check(rest[0])
-        append(_Item(codec, message_key(key), serialize(payload), at, headers, own_group, priority))
-    return items
+            own[i] = (at, q._check_group(rest[0]) if rest and rest[0] is not None else group)
+        add_key(new_key().hex if key is None else key)
+        add_payload(payload)
+    check_names(keys, "key", KEY_MAX)
+    codec = q.codec
+    stored = codec.serialize_many(payloads)
+    if not own:
+        return [
+            _Item(codec, k, s, None, group, headers, priority)
+            for k, s in zip(keys, stored, strict=True)
+        ]
+    return [
+        _Item(codec, k, s, *own.get(i, (None, group)), headers, priority)
+        for i, (k, s) in enumerate(zip(keys, stored, strict=True))
+    ]
 
 
 def offer_batch(
@@ -308,7 +320,8 @@ def offer_batch(
     strategy = strategy_for(session)
     for keys in _batched(sorted(by_key.first), chunk_size(strategy)):
         _offer_chunk(q, session, strategy, keys, by_key, mode, now)
-    wake(q, session, strategy, sum(item.outcome is not Outcome.IGNORED for item in items))
+    outcomes = [item.outcome for item in items]
+    wake(q, session, strategy, len(outcomes) - outcomes.count(Outcome.IGNORED))
     return [OfferResult(item.key, item.outcome) for item in items]
 
 
@@ -397,18 +410,25 @@ def _offer_chunk(
     # key offered once is inserted as its item; a repeated one as its offers folded.
     rows: list[NewRow] = []
     folded: dict[str, list[tuple[_Item, Outcome]]] = {}
-    for key in keys:
-        single = by_key.single(key)
-        if single is not None:
-            rows.append(single)
-        else:
-            state, _, folded[key] = _fold(q, key, by_key[key], None, mode, now)
-            rows.append(_folded_row(key, state))
+    if not by_key.repeated:
+        rows = [by_key.first[key] for key in keys]
+    else:
+        for key in keys:
+            single = by_key.single(key)
+            if single is not None:
+                rows.append(single)
+            else:
+                state, _, folded[key] = _fold(q, key, by_key[key], None, mode, now)
+                rows.append(_folded_row(key, state))
     notify = _notify_on_insert(q, session, strategy)
     written = strategy.insert_rows(session, t, q.name, q.codec.type_name, now, rows, notify=notify)
     if notify is not None and written:
         sent = len(written)
         announce(session, strategy, table_key(t), q.name, sent=sent, carried=payload(q.name, sent))
+    if len(written) == len(rows) and not folded:  # the common case: every key was new
+        for item in rows:
+            item.outcome = Outcome.CREATED  # type: ignore[attr-defined]  # all items here
+        return
     for row in rows:
         if row.key not in written:
             continue

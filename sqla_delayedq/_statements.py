@@ -33,6 +33,7 @@ from sqlalchemy import (
     literal_column,
     or_,
     select,
+    text,
     true,
     tuple_,
     type_coerce,
@@ -723,49 +724,61 @@ def next_pending(t: Table, queue: Any) -> ColumnElement[Any]:
     )
 
 
-def recordset_insert(t: Table, notify: tuple[str, str] | None = None) -> Any:
-    """PostgreSQL: insert a whole chunk from one JSON document, skipping existing keys.
+#: The columns of a chunk as :func:`recordset_insert` receives them: one JSON array each, the
+#: bind parameter ``u_<name>``; ``p`` holds JSON values, the others text (or NULL) elements.
+RECORDSET_COLUMNS = ("k", "p", "b", "a", "a0", "h", "g", "r")
 
-    The rows travel as one ``jsonb`` parameter expanded by ``jsonb_to_recordset``: one statement
-    and four parameters whatever the chunk size; payloads are spliced into the document as the
-    serializer wrote them, and a missing due time means ``u_now``. Rows go in in key order, so
-    concurrent batches take their unique-index locks in the same order. The statement returns
-    one row: the keys written, as one array (a row per key costs the client more than the
-    server).
+
+def recordset_insert(t: Table, notify: tuple[str, str] | None = None) -> Any:
+    """PostgreSQL: insert a whole chunk from one JSON array per column, skipping existing keys.
+
+    ``ROWS FROM`` expands the arrays side by side into rows: one statement and a parameter per
+    column whatever the chunk size. The client builds each array with one ``join`` or one
+    encoder call (the payloads are spliced in as the serializer wrote them), and the server
+    parses flat arrays instead of an object per row (measured: less client and server time per
+    row than ``jsonb_to_recordset`` over one document of objects, itself faster than arrays
+    that psycopg adapts element by element). A column no row sets is sent as NULL, which
+    ``ROWS FROM`` pads with NULLs; a missing due time means ``u_now``. Rows go in in key
+    order, so concurrent batches take their unique-index locks in the same order. The
+    statement returns one row: the keys written, as one array (a row per key costs the client
+    more than the server).
 
     ``notify``: ``(channel, tail)``; when any row is written the statement also sends
     ``NOTIFY channel, '<rows written><tail>'``, so the wake-up costs no round trip of its own.
     """
-    r = (
-        func.jsonb_to_recordset(cast(bindparam("u_rows", type_=String()), postgresql.JSONB()))
-        .table_valued(
-            column("k", String()),
-            column("p", postgresql.JSONB()),
-            column("b", String()),
-            column("a", DateTime(timezone=True)),
-            column("a0", DateTime(timezone=True)),
-            column("h", Text()),
-            column("g", String()),
-            column("r", Integer()),
-        )
-        .render_derived(name="r", with_types=True)
+    values = ", ".join(
+        f"jsonb_array_elements{'' if name == 'p' else '_text'}(CAST(:u_{name} AS jsonb))"
+        for name in RECORDSET_COLUMNS
     )
+    source = text(f"ROWS FROM ({values}) AS r({', '.join(RECORDSET_COLUMNS)})").bindparams(
+        *(bindparam(f"u_{name}", type_=Text()) for name in RECORDSET_COLUMNS)
+    )
+
+    def r(name: str, type_: Any = None) -> Any:
+        col: Any = literal_column(f"r.{name}")
+        return col if type_ is None else cast(col, type_)
+
     now = bindparam("u_now", type_=DateTime(timezone=True))
-    rows = select(
-        bindparam("u_queue", type_=String()),
-        r.c.k,
-        bindparam("u_type", type_=String()),
-        r.c.p,
-        func.decode(r.c.b, literal("hex")),
-        literal("pending"),
-        func.coalesce(r.c.a, now),
-        func.coalesce(r.c.a0, r.c.a, now),
-        now,
-        literal(0),
-        r.c.h,
-        r.c.g,
-        func.coalesce(r.c.r, literal(0)),
-    ).order_by(r.c.k)
+    at = r("a", DateTime(timezone=True))
+    rows = (
+        select(
+            bindparam("u_queue", type_=String()),
+            r("k"),
+            bindparam("u_type", type_=String()),
+            r("p"),
+            func.decode(r("b"), literal("hex")),
+            literal("pending"),
+            func.coalesce(at, now),
+            func.coalesce(r("a0", DateTime(timezone=True)), at, now),
+            now,
+            literal(0),
+            r("h"),
+            r("g"),
+            func.coalesce(r("r", Integer()), literal(0)),
+        )
+        .select_from(source)
+        .order_by(r("k"))
+    )
     names = list(INSERT_COLUMNS)
     ins = (
         postgresql.insert(t)

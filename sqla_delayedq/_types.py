@@ -137,8 +137,11 @@ class Buried(NamedTuple):
     error: str
 
 
-@dataclass(frozen=True)
-class OfferResult:
+class OfferResult(NamedTuple):
+    """What one offer did: the message's ``key`` (the generated one when the offer gave None)
+    and its ``outcome``. A named tuple (cheap to build a thousand at a time), so
+    ``key, outcome = result`` works too."""
+
     key: str
     outcome: Outcome
 

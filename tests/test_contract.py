@@ -15,6 +15,7 @@ from sqla_delayedq import (
     Delivery,
     ExponentialBackoff,
     InvalidArgument,
+    JsonSerializer,
     MessageFilter,
     NackOutcome,
     OfferMode,
@@ -877,6 +878,35 @@ def test_offer_batch_writes_payloads_as_serialized_and_reoffers_are_ignored(
         assert custom.offer(s, "c", "hi").outcome is Outcome.IGNORED
         assert custom.get(s, "c").payload == "hi"
         assert [m.key for m in custom.search(s, MessageFilter(payload={"text": "HI"}))] == ["c"]
+
+
+class _WrappedJson(JsonSerializer[Any]):
+    """A JsonSerializer subclass that changes what is stored: its ``encode`` must be used."""
+
+    def encode(self, payload: Any) -> Any:
+        return {"wrapped": payload}
+
+    def decode(self, stored: Any) -> Any:
+        return stored["wrapped"]
+
+
+def test_a_json_serializer_subclass_s_encode_is_what_every_offer_stores(backend, make_queue):
+    """Regression: the plain serializer's fast path skipped an overridden ``encode``, storing
+    the bare payload, which the subclass's ``decode`` then could not read."""
+    q = make_queue(serializer=_WrappedJson("wrapped"))
+    with backend.Session() as s, s.begin():
+        q.offer(s, "one", 1)
+        q.offer_batch(s, [("two", 2), ("three", [3])])
+    with backend.engine.connect() as conn:
+        stored = dict(conn.execute(sa.select(T.c.key, T.c.payload)).all())
+    assert stored == {"one": {"wrapped": 1}, "two": {"wrapped": 2}, "three": {"wrapped": [3]}}
+    with backend.Session() as s, s.begin():
+        assert {e.key: e.payload for e in q.try_poll_many(s, 10)} == {
+            "one": 1,
+            "two": 2,
+            "three": [3],
+        }
+        assert q.offer_batch(s, [("two", 2)])[0].outcome is Outcome.IGNORED
 
 
 # -- an update of a message in flight waits for the old delivery ---------------------------------

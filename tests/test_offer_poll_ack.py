@@ -306,6 +306,10 @@ CYCLE.append(CYCLE)
         (lambda q, s: q.offer_batch(s, [("ok", 1), ["k", 1]]), r"messages\[1\]"),
         (lambda q, s: q.offer_batch(s, [("k", 1, None, None, 5)]), r"messages\[0\]"),
         (lambda q, s: q.offer_batch(s, [("ok", 1), (7, 1)]), "key must be a string"),
+        (lambda q, s: q.offer_batch(s, [("ok", 1), ("", 1)]), "key must not be empty"),
+        (lambda q, s: q.offer_batch(s, [("ok", 1), ("k" * (KEY_MAX + 1), 1)]), "limit is 200"),
+        (lambda q, s: q.offer_batch(s, [(None, 1), ("ok", b"x")]), "not JSON-serializable"),
+        (lambda q, s: q.offer_batch(s, [("ok", "null"), ("k", None)]), "payload is None"),
     ],
 )
 def test_bad_input_is_refused_before_any_sql(backend, make_queue, call, message):
