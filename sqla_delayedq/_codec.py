@@ -359,6 +359,18 @@ class Codec(Generic[T]):
             texts = [self._checked(text) for text in texts]
         return texts
 
+    def serialize_array(self, payloads: list[T]) -> str | None:
+        """The payloads as one JSON array of what :meth:`serialize` stores for each, checked as
+        it checks them, in one encoder call; None where only :meth:`serialize` of each will do
+        (another serializer than the plain JSON one). A payload in error raises its error."""
+        if self._plain is None:
+            return None
+        text = self._plain.dumps_array(payloads)
+        if text is None or None in payloads or _json_problem(text) is not None:
+            for payload in payloads:  # rare: the payload in error raises, as serialize words it
+                self.serialize(payload)
+        return text
+
     @staticmethod
     def _checked(text: str) -> str:
         """Stored JSON ``text``, refused when no backend can store it portably."""

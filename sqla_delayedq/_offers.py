@@ -188,21 +188,24 @@ def _notify_on_insert(q: Target, session: Session | None, strategy: Strategy) ->
 
 
 class _Item:
-    """One message of a batch, serialized once. For a key offered once in the batch, the item is
-    also the row its insert writes (a :class:`~._dialects.NewRow`); its row values (payload
-    decoded) are built only when an existing row must be compared with it."""
+    """One message of a batch. For a key offered once in the batch, the item is also the row its
+    insert writes (a :class:`~._dialects.NewRow`). Its payload is serialized by the batch (see
+    :func:`_serialize`): stored on it, or, where a chunk's payloads were encoded as one array,
+    again from the payload when the text itself is needed (an existing key to compare). Its row
+    values (payload decoded) are built only when an existing row must be compared with it."""
 
     __slots__ = (
         "_codec",
+        "_text",
         "_values",
         "at",
         "group",
         "headers",
         "key",
         "outcome",
+        "payload",
         "priority",
         "raw",
-        "text",
     )
     #: A new message's first due time is its due time.
     at0 = None
@@ -211,24 +214,39 @@ class _Item:
         self,
         codec: Codec[Any],
         key: str,
-        stored: str | bytes,
+        payload: Any,
         at: datetime | None,
         group: str | None,
         headers: str | None,
         priority: int,
     ) -> None:
-        self._codec, self.key, self.at = codec, key, at
+        self._codec, self.key, self.payload, self.at = codec, key, payload, at
         self.outcome = Outcome.IGNORED  # until an insert or an update says otherwise
         self.headers, self.group, self.priority = headers, group, priority
-        self.text: str | None = stored if type(stored) is str else None
-        self.raw: bytes | None = None if self.text is not None else stored  # type: ignore[assignment]
+        self._text: str | None = None
+        self.raw: bytes | None = None
         self._values: dict[str, Any] | None = None
+
+    def store(self, stored: str | bytes) -> None:
+        """Keep the payload as serialized."""
+        if type(stored) is str:
+            self._text = stored
+        else:
+            self.raw = stored  # type: ignore[assignment]  # bytes
+
+    @property
+    def text(self) -> str | None:
+        """The payload as stored JSON text; None for bytes."""
+        if self._text is None and self.raw is None:
+            self.store(self._codec.serialize(self.payload))  # checked with its chunk already
+        return self._text
 
     @property
     def values(self) -> dict[str, Any]:
         """The columns an offer of this message writes: the payload's and the headers."""
         if self._values is None:
-            stored = self.text if self.text is not None else self.raw
+            text = self.text
+            stored = text if text is not None else self.raw
             self._values = self._codec.columns(stored)  # type: ignore[arg-type]  # one is set
             self._values["headers"] = self.headers
             self._values["priority"] = self.priority
@@ -288,16 +306,37 @@ def _validate(
         add_payload(payload)
     check_names(keys, "key", KEY_MAX)
     codec = q.codec
-    stored = codec.serialize_many(payloads)
     if not own:
         return [
-            _Item(codec, k, s, None, group, headers, priority)
-            for k, s in zip(keys, stored, strict=True)
+            _Item(codec, k, p, None, group, headers, priority)
+            for k, p in zip(keys, payloads, strict=True)
         ]
     return [
-        _Item(codec, k, s, *own.get(i, (None, group)), headers, priority)
-        for i, (k, s) in enumerate(zip(keys, stored, strict=True))
+        _Item(codec, k, p, *own.get(i, (None, group)), headers, priority)
+        for i, (k, p) in enumerate(zip(keys, payloads, strict=True))
     ]
+
+
+def _serialize(
+    codec: Codec[Any], items: list[_Item], by_key: _ByKey, chunks: list[list[str]], arrays: bool
+) -> list[str | None]:
+    """Every payload serialized and checked, before any SQL runs; for each chunk, its payloads
+    as one JSON array in its rows' order, or None.
+
+    With ``arrays`` (the strategy takes a chunk's payloads as one array) and every key offered
+    once, each chunk's payloads are encoded by one encoder call
+    (:meth:`~._codec.Codec.serialize_array`), which costs less than a call per payload;
+    otherwise, or for a serializer other than the plain JSON one, each message's payload is
+    serialized and kept on it.
+    """
+    if arrays and not by_key.repeated:
+        first = by_key.first
+        encoded = [codec.serialize_array([first[key].payload for key in keys]) for keys in chunks]
+        if None not in encoded:
+            return encoded
+    for item, stored in zip(items, codec.serialize_many([i.payload for i in items]), strict=True):
+        item.store(stored)
+    return [None] * len(chunks)
 
 
 def offer_batch(
@@ -318,11 +357,15 @@ def offer_batch(
         return []
     by_key = _ByKey(items)
     strategy = strategy_for(session)
-    for keys in _batched(sorted(by_key.first), chunk_size(strategy)):
-        _offer_chunk(q, session, strategy, keys, by_key, mode, now)
+    chunks = list(_batched(sorted(by_key.first), chunk_size(strategy)))
+    arrays = _serialize(q.codec, items, by_key, chunks, strategy.payload_arrays)
+    for keys, array in zip(chunks, arrays, strict=True):
+        _offer_chunk(q, session, strategy, keys, by_key, mode, now, array)
     outcomes = [item.outcome for item in items]
     wake(q, session, strategy, len(outcomes) - outcomes.count(Outcome.IGNORED))
-    return [OfferResult(item.key, item.outcome) for item in items]
+    # tuple.__new__ is what the named tuple's own __new__ calls, less a Python call per result.
+    new = tuple.__new__
+    return [new(OfferResult, (item.key, item.outcome)) for item in items]
 
 
 class _ByKey:
@@ -403,7 +446,10 @@ def _offer_chunk(
     by_key: _ByKey,
     mode: OfferMode,
     now: datetime,
+    payloads: str | None = None,
 ) -> None:
+    """Offer one chunk of distinct keys; ``payloads``: their payloads as one JSON array, in the
+    chunk's order (see :func:`_serialize`), or None."""
     t = q.table
     # Optimistic: most batches are new keys. Insert every key as if absent; read back only the
     # keys that were not written (they exist, or a concurrent transaction got there first). A
@@ -421,7 +467,9 @@ def _offer_chunk(
                 state, _, folded[key] = _fold(q, key, by_key[key], None, mode, now)
                 rows.append(_folded_row(key, state))
     notify = _notify_on_insert(q, session, strategy)
-    written = strategy.insert_rows(session, t, q.name, q.codec.type_name, now, rows, notify=notify)
+    written = strategy.insert_rows(
+        session, t, q.name, q.codec.type_name, now, rows, notify=notify, payloads=payloads
+    )
     if notify is not None and written:
         sent = len(written)
         announce(session, strategy, table_key(t), q.name, sent=sent, carried=payload(q.name, sent))

@@ -49,6 +49,32 @@ def test_unstorable_text_is_refused_before_any_sql_naming_the_field(backend, mak
     assert row_count(backend) == 0
 
 
+@pytest.mark.parametrize("bad", BAD.values(), ids=BAD.keys())
+def test_a_batch_s_payloads_encoded_at_once_are_what_each_encodes_and_its_checks(bad):
+    """The batch path encodes a chunk's payloads in one call: the same text as each payload's
+    own serialization, joined as a JSON array, and the same error, naming the payload's path,
+    for the first payload in error; and it defers to one payload at a time where it cannot."""
+    from sqla_delayedq._codec import Codec
+    from sqla_delayedq.serializers import JsonSerializer
+
+    codec: Codec[Any] = Codec(JsonSerializer())
+    payloads = [{"n": 1, "t": "plain"}, [1, 2.5, None, True], "snake \U0001f40d é", {"1": {}}]
+    array = codec.serialize_array(payloads)
+    assert array == "[" + ", ".join(str(codec.serialize(p)) for p in payloads) + "]"
+    with pytest.raises(EncodeError, match=r"payload\['x'\]\[1\] contains"):
+        codec.serialize_array([{"ok": 1}, {"x": ["fine", bad]}])
+    with pytest.raises(EncodeError, match="payload is None"):
+        codec.serialize_array([{"ok": 1}, None])
+    with pytest.raises(EncodeError, match="not JSON-serializable"):
+        codec.serialize_array([{"ok": 1}, {1, 2}])
+
+    class Wrapped(JsonSerializer[Any]):
+        def dumps(self, payload: Any) -> str:
+            return super().dumps({"v": payload})
+
+    assert Codec(Wrapped()).serialize_array(payloads) is None  # its own dumps: one at a time
+
+
 def test_escaped_lookalikes_and_surrogate_pairs_are_stored(backend, make_queue):
     q = make_queue()
     payloads = {
