@@ -395,25 +395,6 @@ class Periodic:
     on_stop: Callable[[Callable[[], Session]], Any] | None = None
 
 
-class _Pushing(Listener):
-    """A started listener that, until it stops, lets this process keep its picture of the
-    controls of the listened tables longer (see :func:`~sqla_delayedq.controls.pushed`): the
-    listener hears every change, so no take need read them once a second."""
-
-    def __init__(self, listener: Listener, release: Callable[[], None]) -> None:
-        self.listener = listener
-        self.release = release
-
-    def start(self) -> None:
-        self.listener.start()
-
-    def stop(self, timeout: float = 2.0) -> None:
-        try:
-            self.listener.stop(timeout)
-        finally:
-            self.release()
-
-
 @dataclass(frozen=True)
 class Registration:
     source: Source
@@ -794,12 +775,13 @@ class BaseWorker(Generic[S]):
             return None
         engine = getattr(bind, "sync_engine", bind)  # an AsyncEngine's sync face has the URL
         tables = self._tables()
-        listener = strategy_class(engine.dialect).listener(engine.url, tables, wake)
+        heard = controls.pushed(engine, tables)
+        listener = strategy_class(engine.dialect).listener(engine.url, tables, wake, heard)
         if listener is None:
             return None
         listener.start()
         self._listening = True
-        return _Pushing(listener, controls.pushed(engine, tables))
+        return listener
 
     def _side_tasks(self, bind: Any) -> list[Periodic]:
         """The periodic tasks to run: the registered ones, the clock skew check of the queues

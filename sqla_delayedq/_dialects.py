@@ -230,9 +230,16 @@ class Strategy(abc.ABC):
         return None
 
     @classmethod
-    def listener(cls, url: URL, tables: Sequence[str], wake: Wake) -> Listener | None:
+    def listener(
+        cls,
+        url: URL,
+        tables: Sequence[str],
+        wake: Wake,
+        connected: Callable[[bool], None] | None = None,
+    ) -> Listener | None:
         """A listener that calls ``wake(table, queue, count)`` when another process offers to
-        one of ``tables`` (table keys)."""
+        one of ``tables`` (table keys), and ``connected(True)`` / ``connected(False)`` when it
+        starts and stops hearing them (its connection made, or lost, or the listener stopped)."""
         return None
 
     @staticmethod
@@ -602,8 +609,14 @@ class PostgreSQLStrategy(Strategy):
             session.execute(select(*calls))
 
     @classmethod
-    def listener(cls, url: URL, tables: Sequence[str], wake: Wake) -> Listener | None:
-        return PgListener(url, {cls.channel(t): t for t in tables}, wake)
+    def listener(
+        cls,
+        url: URL,
+        tables: Sequence[str],
+        wake: Wake,
+        connected: Callable[[bool], None] | None = None,
+    ) -> Listener | None:
+        return PgListener(url, {cls.channel(t): t for t in tables}, wake, connected)
 
     def insert_rows(
         self,
@@ -978,15 +991,26 @@ class PgListener(Listener):
 
     A notification only wakes pollers early; polling stays authoritative. The listener
     reconnects with backoff when its connection drops, and wakes everyone after reconnecting in
-    case notifications were lost meanwhile.
+    case notifications were lost meanwhile. ``on_connected`` hears when it starts and stops
+    hearing notifications: True once its ``LISTEN``s are in place, False as soon as the
+    connection is lost (TCP keepalives find a silent loss within about 11 seconds) and when the
+    listener stops; never True after a stop.
     """
 
-    def __init__(self, url: URL, channels: Mapping[str, str], wake: Wake):
+    def __init__(
+        self,
+        url: URL,
+        channels: Mapping[str, str],
+        wake: Wake,
+        on_connected: Callable[[bool], None] | None = None,
+    ):
         self.url = url
         self.tables = dict(channels)
         self.channels = sorted(self.tables)
         self.wake = wake
+        self.on_connected = on_connected
         self._stop = threading.Event()
+        self._state = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="delayedq-listen", daemon=True)
         self.connected = threading.Event()
 
@@ -995,13 +1019,36 @@ class PgListener(Listener):
 
     def stop(self, timeout: float = 2.0) -> None:
         self._stop.set()
+        self._set_connected(False)
         self._thread.join(timeout)
+
+    def _set_connected(self, connected: bool) -> None:
+        """Say whether notifications are heard; once stopping, only that they are not."""
+        with self._state:
+            if connected and self._stop.is_set():
+                return
+            if connected:
+                self.connected.set()
+            else:
+                self.connected.clear()
+            if self.on_connected is not None:
+                self.on_connected(connected)
 
     def _connect(self) -> Any:
         import psycopg
 
         conninfo = self.url.set(drivername="postgresql").render_as_string(hide_password=False)
-        conn = psycopg.connect(conninfo, autocommit=True)
+        # TCP keepalives: an idle connection whose peer vanished without a word (a cable, a
+        # firewall) is found dead within about 11 seconds (5 idle, then 3 probes 2 seconds
+        # apart), where without them it could seem alive for hours.
+        conn = psycopg.connect(
+            conninfo,
+            autocommit=True,
+            keepalives=1,
+            keepalives_idle=5,
+            keepalives_interval=2,
+            keepalives_count=3,
+        )
         for channel in self.channels:
             conn.execute(f'LISTEN "{channel}"')
         return conn
@@ -1017,7 +1064,7 @@ class PgListener(Listener):
                 backoff = min(backoff * 2, 5.0)
                 continue
             backoff = 0.1
-            self.connected.set()
+            self._set_connected(True)
             self.wake(None, None, None)  # anything sent while we were away: wake everyone
             try:
                 while not self._stop.is_set():
@@ -1027,7 +1074,7 @@ class PgListener(Listener):
                 if not self._stop.is_set():
                     log.warning("LISTEN connection lost (%s); reconnecting", exc)
             finally:
-                self.connected.clear()
+                self._set_connected(False)
                 try:
                     conn.close()
                 except Exception:

@@ -4,8 +4,9 @@ The controls of a queue are one row of ``delayedq_queue_controls`` (revision ``d
 so every worker process and machine obeys the same switch. A queue without a row is *plain* and
 takes exactly as before: consumers learn which queues are controlled from a per-process cache
 (:data:`REFRESH` seconds old at most, invalidated at once in the process that changed it and,
-on PostgreSQL, by ``NOTIFY`` in every process; a worker whose listener hears those keeps it
-until a change, up to :data:`PUSHED_REFRESH`), so the plain path costs nothing more.
+on PostgreSQL, by ``NOTIFY`` in every process; a worker whose listener is connected and hears
+those keeps it until a change, up to :data:`PUSHED_REFRESH`), so the plain path costs nothing
+more.
 
 - **Paused**: offers are accepted, nothing is taken. Messages already in flight finish.
   ``resume`` wakes idle consumers at once (through ``NOTIFY`` on PostgreSQL).
@@ -69,8 +70,8 @@ log = logging.getLogger("sqla_delayedq.controls")
 #: How old, in seconds, a process's picture of which queues are controlled may be.
 REFRESH = 1.0
 #: How old the picture of a table's controls may be while a listener hears their every change
-#: (:func:`pushed`): a safety net for a change made without this API (by hand in SQL), which
-#: sends no ``NOTIFY``.
+#: (:func:`pushed`, while its listener is connected): a safety net for a change made without
+#: this API (by hand in SQL), which sends no ``NOTIFY``.
 PUSHED_REFRESH = 30.0
 #: How long a process believes the controls table is missing before it looks again.
 MISSING_RECHECK = 30.0
@@ -225,29 +226,31 @@ def _peek(engine: Engine, table: str, queue: str) -> tuple[bool, QueueControls |
     return True, None if queues is None else queues.get(queue)
 
 
-def pushed(engine: Engine, tables: list[str]) -> Callable[[], None]:
-    """Note that a listener now hears every change of ``tables``' controls on ``engine``
-    (PostgreSQL's ``NOTIFY``, on which its worker calls :func:`invalidate`, as it does whenever
-    the listener (re)connects): until the returned call (once; later calls do nothing), their
-    picture is read again only every :data:`PUSHED_REFRESH` seconds, so a worker's takes do not
-    read it once a second."""
-    with _lock:
-        counts = _pushed.setdefault(engine, {})
-        for table in tables:
-            counts[table] = counts.get(table, 0) + 1
-    held = [True]
+def pushed(engine: Engine, tables: list[str]) -> Callable[[bool], None]:
+    """A switch for a listener of ``tables``' controls on ``engine`` (PostgreSQL's ``NOTIFY``,
+    on which its worker calls :func:`invalidate`, as it does whenever the listener connects).
 
-    def release() -> None:
+    The listener calls it with True once it is connected and hears every change: the picture
+    is then read again only every :data:`PUSHED_REFRESH` seconds, so a worker's takes do not
+    read it once a second. It calls it with False as soon as it loses its connection, and when
+    it stops: a change sent meanwhile goes unheard, so the picture is kept only
+    :data:`REFRESH` again and a pause reaches the worker as it would without ``NOTIFY``.
+    A call that repeats the switch's state does nothing.
+    """
+    on = [False]
+
+    def switch(connected: bool) -> None:
         with _lock:
-            if not held:
+            if connected == on[0]:
                 return
-            held.clear()
+            on[0] = connected
+            counts = _pushed.setdefault(engine, {})
             for table in tables:
-                counts[table] -= 1
+                counts[table] = counts.get(table, 0) + (1 if connected else -1)
                 if not counts[table]:
                     del counts[table]
 
-    return release
+    return switch
 
 
 def _read_table(session: Session, table: str) -> dict[str, QueueControls] | None:

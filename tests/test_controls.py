@@ -507,6 +507,66 @@ def test_a_listening_worker_s_takes_do_not_read_the_controls_once_a_second(
         assert controls.known(s, q.wake_key, q.name) == (False, None)
 
 
+def _heard(q: DelayedQueue[Any]) -> bool:
+    """Whether a listener in this process is connected and hears ``q``'s table's changes."""
+    return any(q.wake_key in tables for tables in list(controls._pushed.values()))
+
+
+def test_a_pause_reaches_a_listening_worker_while_its_listener_is_cut_off(
+    pg, make_worker, monkeypatch
+):
+    """A worker whose listener has lost its connection (and cannot make it again) hears no
+    ``NOTIFY``: from that moment it keeps its picture of the controls only ``REFRESH`` again,
+    so a pause committed meanwhile by another process reaches it within a poll interval, not
+    up to ``PUSHED_REFRESH`` (30 s) after it last read them. Once the listener is back, it
+    keeps the picture longer again and a resume wakes the worker."""
+    from sqla_delayedq._dialects import PgListener
+
+    q: DelayedQueue[Any] = DelayedQueue("cut-off")
+    handled: list[str] = []
+    cut = threading.Event()
+    connect = PgListener._connect
+
+    def cut_off(self: PgListener) -> Any:
+        if cut.is_set():
+            raise OSError("the listener is cut off (test)")
+        return connect(self)
+
+    monkeypatch.setattr(PgListener, "_connect", cut_off)
+    worker = make_worker(pg, concurrency=2, poll_interval=0.5)
+    worker.register(q, lambda env: handled.append(env.key))
+    script = (
+        "import sys; from sqla_delayedq import DelayedQueue, create_engine;"
+        "from sqlalchemy.orm import Session;"
+        "e = create_engine(sys.argv[1]);"
+        "s = Session(e); s.begin(); DelayedQueue('cut-off').pause(s); s.commit()"
+    )
+    listening = sa.text(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = "
+        "current_database() AND pid <> pg_backend_pid() AND query LIKE 'LISTEN %'"
+    )
+    with running(worker):
+        assert wait_for(lambda: _heard(q), 10)
+        offer(pg, q, "before")
+        assert wait_for(lambda: handled == ["before"], 10)  # its take read the picture
+        cut.set()
+        with pg.engine.connect() as conn:
+            assert conn.execute(listening).all()
+        assert wait_for(lambda: not _heard(q), 10)
+        url = pg.url.render_as_string(hide_password=False)
+        subprocess.run([sys.executable, "-c", script, url], check=True, timeout=60)
+        time.sleep(1.5)  # REFRESH is 1 s at most: the next take reads the pause
+        offer(pg, q, "paused")
+        time.sleep(3)
+        assert handled == ["before"], "a paused queue delivered while the listener was away"
+        cut.clear()
+        assert wait_for(lambda: _heard(q), 10)
+        with pg.Session() as s, s.begin():
+            q.resume(s)
+        assert wait_for(lambda: handled == ["before", "paused"], 10)
+    assert not _heard(q)  # a stopped listener hears nothing
+
+
 def test_without_a_listener_takes_read_the_controls_every_refresh(
     backend, make_worker, monkeypatch
 ):
