@@ -163,6 +163,16 @@ class WorkerHooks:
 
 #: The methods of :class:`WorkerHooks`, each a hook the worker calls.
 HOOKS = ("processed", "failed", "redelivered", "buried", "lag", "db_error")
+#: Each hook as :class:`WorkerHooks` defines it: one that does nothing.
+_NOOP = {name: getattr(WorkerHooks, name) for name in HOOKS}
+
+
+def wants(hooks: WorkerHooks, name: str) -> bool:
+    """Whether calling hook ``name`` of ``hooks`` can do anything: False when every hooks
+    object behind it keeps :class:`WorkerHooks`' own, which does nothing (so the per-message
+    work of a hook's arguments, a clock read for ``lag``, is skipped)."""
+    every = hooks.all if isinstance(hooks, SafeHooks) else [hooks]
+    return any(getattr(getattr(h, name), "__func__", None) is not _NOOP[name] for h in every)
 
 
 class SafeHooks(WorkerHooks):
@@ -188,8 +198,11 @@ class SafeHooks(WorkerHooks):
 
     def _call(self, name: str, *args: Any) -> None:
         for hooks in self.all:
+            hook = getattr(hooks, name)
+            if getattr(hook, "__func__", None) is _NOOP[name]:
+                continue  # WorkerHooks' own: nothing to run
             try:
-                self.call(getattr(hooks, name), *args)
+                self.call(hook, *args)
             except BaseException as exc:
                 if is_interruption(exc):
                     raise
@@ -941,11 +954,15 @@ class BaseWorker(Generic[S]):
         return None if when is None else max(0.0, (when - reg.source.now()).total_seconds())
 
     def _observe(self, reg: Registration, *envs: Envelope[Any]) -> None:
-        name, hooks, now = reg.queue, self.hooks, reg.source.now()
-        for env in envs:
-            if env.redelivered:
-                hooks.redelivered(name, env)
-            hooks.lag(name, (now - env.scheduled_at).total_seconds())
+        name, hooks = reg.queue, self.hooks
+        if wants(hooks, "redelivered"):
+            for env in envs:
+                if env.redelivered:
+                    hooks.redelivered(name, env)
+        if wants(hooks, "lag"):
+            now = reg.source.now()
+            for env in envs:
+                hooks.lag(name, (now - env.scheduled_at).total_seconds())
 
     def _take(self, reg: Registration, n: int) -> tuple[list[Envelope[Any]], Taken]:
         """Up to ``n`` envelopes, and whether more is due now; when not, in the same

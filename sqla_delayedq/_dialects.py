@@ -127,6 +127,21 @@ class NewRow(Protocol):
     def priority(self) -> int: ...
 
 
+#: Takes of at most this many rows are statements of their own, their ``LIMIT`` built in.
+FIXED_LIMITS = 128
+
+
+def fixed_limit(limit: int) -> int | None:
+    """A take's ``limit`` as its cached statement's own number, or None for :attr:`P.limit`.
+
+    Either way the number is in the statement's text (see :func:`~._statements.const`); built
+    in, the statement is not rewritten at each execution (SQLAlchemy's post-compile step, a few
+    percent of a take of one's client time). Larger limits share one statement, so the cache of
+    statements stays small.
+    """
+    return limit if 0 < limit <= FIXED_LIMITS else None
+
+
 class Listener(abc.ABC):
     """Wakes this process's consumers when another process offers (a daemon thread)."""
 
@@ -324,14 +339,15 @@ class Strategy(abc.ABC):
         boosted: bool = False,
         transactional: bool = False,
     ) -> Any:
+        fixed = fixed_limit(limit)
         stmt = self.cached(
             t,
-            f"due:{grouping}:{boosted}:{transactional}",
+            f"due:{grouping}:{boosted}:{transactional}:{fixed}",
             lambda: st.select_due(
                 t,
                 P.queue,
                 P.now,
-                P.limit,
+                P.limit if fixed is None else fixed,
                 self.poll_lock,
                 grouping,
                 boosted,
@@ -500,14 +516,15 @@ class Strategy(abc.ABC):
             return list(picked)
         skip_locked = self.poll_lock is not None
         ahead = ahead and skip_locked
+        fixed = fixed_limit(limit)
         stmt = self.cached(
             t,
-            f"consume:{grouping}:{boosted}:{ahead}",
+            f"consume:{grouping}:{boosted}:{ahead}:{fixed}",
             lambda: st.consume_returning(
                 t,
                 P.queue,
                 P.now,
-                P.limit,
+                P.limit if fixed is None else fixed,
                 skip_locked,
                 grouping,
                 boosted,
@@ -677,6 +694,7 @@ class PostgreSQLStrategy(Strategy):
     ) -> Claims:
         relaxed = bool(session.info.get(TAKE_ONLY))
         ahead = ahead and grouping is None and not boosted
+        fixed = fixed_limit(limit)
 
         def build() -> Any:
             take = st.claim_returning(
@@ -684,7 +702,7 @@ class PostgreSQLStrategy(Strategy):
                 P.queue,
                 P.now,
                 P.until,
-                P.limit,
+                P.limit if fixed is None else fixed,
                 P.prefix,
                 grouping,
                 boosted,
@@ -693,7 +711,7 @@ class PostgreSQLStrategy(Strategy):
             )
             return st.claim_ahead(take, t, P.queue, P.now) if ahead else take
 
-        stmt = self.cached(t, f"claim:{grouping}:{boosted}:{relaxed}:{ahead}", build)
+        stmt = self.cached(t, f"claim:{grouping}:{boosted}:{relaxed}:{ahead}:{fixed}", build)
         rows = session.execute(stmt, P.take(queue, now, lease_until, limit, prefix)).all()
         return self._claims(rows, limit + st.look_ahead(grouping), ahead)
 

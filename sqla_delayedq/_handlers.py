@@ -210,7 +210,8 @@ def call_sync_handler(handler: Callable[..., Any], *args: Any) -> Any:
     See :func:`refuse_unrun`: a coroutine or generator is closed unrun and the attempt fails
     (and is retried) instead of being acknowledged.
     """
-    return refuse_unrun(handler, handler(*args), awaits=False)
+    result = handler(*args)
+    return None if result is None else refuse_unrun(handler, result, awaits=False)
 
 
 def refuse_unrun(handler: Any, result: Any, *, awaits: bool) -> Any:

@@ -145,6 +145,8 @@ _cache = weakref.WeakKeyDictionary()
 #: engine -> table -> how many listeners push every change of the table's controls to this
 #: process (see :func:`pushed`).
 _pushed: weakref.WeakKeyDictionary[Engine, dict[str, int]] = weakref.WeakKeyDictionary()
+#: engine -> table -> how many threads of this process are reading the table's controls now.
+_reading: weakref.WeakKeyDictionary[Engine, dict[str, int]] = weakref.WeakKeyDictionary()
 #: Counts :func:`invalidate` calls: a read that began before one does not overwrite it.
 _generation = 0
 
@@ -194,8 +196,16 @@ def _read(session: Session, engine: Engine, table: str) -> dict[str, QueueContro
     dropped may be older than the change that caused it: the next look reads again)."""
     with _lock:
         generation = _generation
-    read_at = time.monotonic()
-    queues = _read_table(session, table)
+        reading = _reading.setdefault(engine, {})
+        reading[table] = reading.get(table, 0) + 1
+    try:
+        read_at = time.monotonic()
+        queues = _read_table(session, table)
+    finally:
+        with _lock:
+            reading[table] -= 1
+            if not reading[table]:
+                del reading[table]
     with _lock:
         if generation == _generation:
             _cache.setdefault(engine, {})[table] = (read_at, queues)
@@ -211,7 +221,12 @@ def known(session: Session, table: str, queue: str) -> tuple[bool, QueueControls
 
 def _peek(engine: Engine, table: str, queue: str) -> tuple[bool, QueueControls | None]:
     """``(True, controls or None)`` when this process's picture of ``table`` is fresh enough
-    to use without reading; ``(False, None)`` when it must be read again."""
+    to use without reading; ``(False, None)`` when it must be read again.
+
+    A picture just past its age while another thread of the process reads it again is still
+    used (for up to :data:`REFRESH` more): the consumers of a busy worker would otherwise all
+    find it stale at once and each read it, when one read serves them all a moment later.
+    """
     with _lock:
         entry = _cache.get(engine, {}).get(table)
         if entry is None:
@@ -221,7 +236,8 @@ def _peek(engine: Engine, table: str, queue: str) -> tuple[bool, QueueControls |
             limit = MISSING_RECHECK
         else:
             limit = PUSHED_REFRESH if _pushed.get(engine, {}).get(table) else REFRESH
-        if time.monotonic() - read_at >= limit:
+        age = time.monotonic() - read_at
+        if age >= limit and not (age < limit + REFRESH and _reading.get(engine, {}).get(table)):
             return False, None
     return True, None if queues is None else queues.get(queue)
 

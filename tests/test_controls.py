@@ -578,6 +578,47 @@ def test_without_a_listener_takes_read_the_controls_every_refresh(
     assert len(reads) >= 6  # 2.5 s at least, a read per 0.2 s
 
 
+def test_one_read_of_a_stale_picture_serves_every_thread_of_the_process(backend, monkeypatch):
+    """While one thread reads the controls again, another that finds the picture just past its
+    age uses it rather than read it too: the consumers of a busy worker find it stale at once,
+    and one read serves them all. A picture older than its age plus ``REFRESH`` is read again,
+    whatever else runs."""
+    monkeypatch.setattr(controls, "REFRESH", 0.2)
+    q: DelayedQueue[Any] = DelayedQueue("shared-read")
+    with backend.Session() as s, s.begin():
+        assert q.gate(s) is None  # the picture, read
+    time.sleep(0.25)  # past its age
+    reads: list[str] = []
+    entered, release = threading.Event(), threading.Event()
+    read_table = controls._read_table
+
+    def slow_first(session: Session, table: str) -> Any:
+        reads.append(table)
+        if len(reads) == 1:
+            entered.set()
+            release.wait(10)
+        return read_table(session, table)
+
+    monkeypatch.setattr(controls, "_read_table", slow_first)
+
+    def look() -> None:
+        with backend.Session() as s, s.begin():
+            q.gate(s)
+
+    reader = threading.Thread(target=look)
+    reader.start()
+    try:
+        assert entered.wait(10)
+        look()
+        assert len(reads) == 1  # the other thread's read serves this look
+        time.sleep(0.2)  # now past its age plus REFRESH
+        look()
+        assert len(reads) == 2
+    finally:
+        release.set()
+        reader.join(10)
+
+
 def test_a_picture_read_across_a_change_is_not_kept(backend, monkeypatch):
     """A change announced while a read of the controls ran (a ``NOTIFY``, or this process's
     own change): the read may predate the change, so its picture is not kept and the next look

@@ -464,6 +464,10 @@ def explain_prepared(conn, stmt, params=None) -> str:
     raw = conn.connection.driver_connection
     values = [state.parameters[name] for name in state.positiontup]
     args = ", ".join(psycopg.sql.Literal(v).as_string(raw) for v in values)
+    # psycopg answers a rollback by deallocating every statement of the connection when it
+    # prepared any (a pooled connection a worker used has): that would take worker_take with
+    # it below. A rollback now, in a transaction, does it before worker_take exists.
+    conn.exec_driver_sql("SELECT 1")
     conn.rollback()
     conn.exec_driver_sql("PREPARE worker_take AS " + state.statement)
     conn.commit()

@@ -1235,6 +1235,31 @@ def test_hooks_report_processed_failed_redelivered_and_lag(backend, make_worker)
     assert max(seconds for _, seconds in hooks.lags) >= 2.0  # "late" was due 2 s before
 
 
+def test_a_hook_left_as_worker_hooks_defines_it_is_skipped_and_every_override_runs():
+    """The worker skips a hook that no hooks object overrides (and the work of its arguments,
+    the clock read of ``lag``); an override of any form (a subclass's method, an attribute set
+    on an instance) makes it run, for every hooks object that has one."""
+    from sqla_delayedq._consumer import SafeHooks, wants
+
+    calls: list[str] = []
+
+    class OnlyProcessed(WorkerHooks):
+        def processed(self, queue: str, envelope: Envelope[Any], seconds: float) -> None:
+            calls.append("processed")
+
+    safe = SafeHooks(OnlyProcessed(), call=lambda hook, *args: hook(*args))
+    assert wants(safe, "processed") and not wants(safe, "lag")
+    assert not wants(WorkerHooks(), "failed")
+    by_attribute = WorkerHooks()
+    by_attribute.lag = lambda queue, seconds: calls.append("lag")  # type: ignore[method-assign]
+    safe.all.append(by_attribute)
+    assert wants(safe, "lag") and wants(by_attribute, "lag")
+    safe.lag("q", 1.0)
+    safe.processed("q", cast(Envelope[Any], None), 0.1)
+    safe.failed("q", cast(Envelope[Any], None), KeyError("x"), NackOutcome.DEAD)
+    assert calls == ["lag", "processed"]
+
+
 # -- stopping ---------------------------------------------------------------------------------
 
 
