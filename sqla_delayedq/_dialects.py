@@ -131,15 +131,17 @@ class NewRow(Protocol):
 FIXED_LIMITS = 128
 
 
-def fixed_limit(limit: int) -> int | None:
-    """A take's ``limit`` as its cached statement's own number, or None for :attr:`P.limit`.
+def take_limit(limit: int) -> tuple[int | None, Any]:
+    """A take's ``limit`` as ``(key, expression)``: the number its cached statement is built
+    with (its cache key; None when shared) and the ``LIMIT`` to build it with.
 
     Either way the number is in the statement's text (see :func:`~._statements.const`); built
     in, the statement is not rewritten at each execution (SQLAlchemy's post-compile step, a few
-    percent of a take of one's client time). Larger limits share one statement, so the cache of
-    statements stays small.
+    percent of a take of one's client time). Larger limits share one statement, with
+    :attr:`P.limit`, so the cache of statements stays small.
     """
-    return limit if 0 < limit <= FIXED_LIMITS else None
+    fixed = limit if 0 < limit <= FIXED_LIMITS else None
+    return fixed, P.limit if fixed is None else fixed
 
 
 class Listener(abc.ABC):
@@ -339,7 +341,7 @@ class Strategy(abc.ABC):
         boosted: bool = False,
         transactional: bool = False,
     ) -> Any:
-        fixed = fixed_limit(limit)
+        fixed, limit_by = take_limit(limit)
         stmt = self.cached(
             t,
             f"due:{grouping}:{boosted}:{transactional}:{fixed}",
@@ -347,7 +349,7 @@ class Strategy(abc.ABC):
                 t,
                 P.queue,
                 P.now,
-                P.limit if fixed is None else fixed,
+                limit_by,
                 self.poll_lock,
                 grouping,
                 boosted,
@@ -516,7 +518,7 @@ class Strategy(abc.ABC):
             return list(picked)
         skip_locked = self.poll_lock is not None
         ahead = ahead and skip_locked
-        fixed = fixed_limit(limit)
+        fixed, limit_by = take_limit(limit)
         stmt = self.cached(
             t,
             f"consume:{grouping}:{boosted}:{ahead}:{fixed}",
@@ -524,7 +526,7 @@ class Strategy(abc.ABC):
                 t,
                 P.queue,
                 P.now,
-                P.limit if fixed is None else fixed,
+                limit_by,
                 skip_locked,
                 grouping,
                 boosted,
@@ -694,7 +696,7 @@ class PostgreSQLStrategy(Strategy):
     ) -> Claims:
         relaxed = bool(session.info.get(TAKE_ONLY))
         ahead = ahead and grouping is None and not boosted
-        fixed = fixed_limit(limit)
+        fixed, limit_by = take_limit(limit)
 
         def build() -> Any:
             take = st.claim_returning(
@@ -702,7 +704,7 @@ class PostgreSQLStrategy(Strategy):
                 P.queue,
                 P.now,
                 P.until,
-                P.limit if fixed is None else fixed,
+                limit_by,
                 P.prefix,
                 grouping,
                 boosted,
