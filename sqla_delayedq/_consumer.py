@@ -24,7 +24,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Generic, Literal, NamedTuple, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, NamedTuple, Protocol, TypeVar, cast
 
 from sqlalchemy.orm import Session
 
@@ -260,6 +260,10 @@ class Source(Protocol):
         self, session: Session, envelope: Envelope[Any], n: int, lease: timedelta
     ) -> tuple[bool, Polled[Any]] | None: ...
     def release_fused(self, session: Session, prefix: str, until: datetime) -> int: ...
+    @property
+    def takes_alone(self) -> bool: ...
+    def poll_alone(self, session: Session, n: int, lease: timedelta) -> Polled[Any] | None: ...
+    def ack_alone(self, session: Session, envelope: Envelope[Any]) -> bool | None: ...
     def ack_many(self, session: Session, envelopes: Sequence[Envelope[Any]]) -> int: ...
     def nack(
         self,
@@ -967,7 +971,11 @@ class BaseWorker(Generic[S]):
     def _take(self, reg: Registration, n: int) -> tuple[list[Envelope[Any]], Taken]:
         """Up to ``n`` envelopes, and whether more is due now; when not, in the same
         transaction, when the next row is due. A take that failed at its commit but did commit
-        is delivered all the same (see :meth:`_took`)."""
+        is delivered all the same (see :meth:`_took`). Where the source allows, the take's
+        statements commit on their own instead (:meth:`_take_alone`)."""
+        alone = self._take_alone(reg, n)
+        if alone is not None:
+            return alone
         envs: list[Envelope[Any]] = []
         try:
             with self.rt.session() as s, s.begin():
@@ -984,6 +992,60 @@ class BaseWorker(Generic[S]):
             self.hooks.db_error(exc)
             envs = got
         return envs, taken
+
+    def _take_alone(self, reg: Registration, n: int) -> tuple[list[Envelope[Any]], Taken] | None:
+        """:meth:`_take` on an autocommit connection, where the source allows it (see
+        ``LeasedQueue.poll_alone``): the take commits in its own statement, one round trip
+        before the handlers start where a transaction costs three. None where it does not,
+        before anything ran.
+
+        When it fails, it may have committed (the connection lost after the statement was
+        sent): what it holds is given back, due at once and uncounted, and the error goes to
+        the consumer's loop as a failed take's does. Once the take returned, what it took is
+        delivered whatever fails after it."""
+        if not reg.source.takes_alone or self._fused_ack is False:
+            return None
+        s = self.rt.session()
+        if not self._autocommits(s):
+            s.close()
+            return None
+        try:
+            with s:
+                s.connection(execution_options={"isolation_level": "AUTOCOMMIT"})
+                s.info[TAKE_ONLY] = True  # its commit need not wait for the WAL flush
+                polled = reg.source.poll_alone(s, n, reg.lease)
+                if polled is None:
+                    return None
+                s.commit()  # ends SQLAlchemy's transaction object: the statements committed
+        except Exception as exc:
+            sent = s.info.get(FUSED)
+            if sent is not None and self._settle(reg, None, "give back", sent):
+                log.warning(
+                    "taking on %s committed, though it raised (%s): the messages it took are "
+                    "due again",
+                    reg.source.name,
+                    exc,
+                )
+            raise
+        self._report_buried(reg, s)
+        envs = polled.envelopes
+        try:
+            return envs, self._after_take(None, reg, polled)
+        except Exception as exc:  # what it took is taken: handle it, then look again
+            if not envs:
+                raise
+            if retryable(exc):
+                self._db_error(exc)
+            else:
+                log.warning("reading %s after a take failed: %s", reg.source.name, exc)
+            return envs, Taken(len(envs), True, None)
+
+    def _autocommits(self, s: Session) -> bool:
+        """Whether the database gains by statements that commit on their own (see
+        ``Strategy.fused_ack``): asked of the first session, then known."""
+        if self._fused_ack is None:
+            self._fused_ack = strategy_class(s.get_bind().dialect).fused_ack
+        return self._fused_ack
 
     def _report_buried(self, reg: Registration, s: Session) -> None:
         """After ``s`` committed: tell the hooks of each message its takes buried (see
@@ -1050,14 +1112,27 @@ class BaseWorker(Generic[S]):
 
     def _take_in(self, s: Session, reg: Registration, n: int) -> tuple[list[Envelope[Any]], Taken]:
         polled = reg.source.poll_batch(s, n, lease=reg.lease)
+        return polled.envelopes, self._after_take(s, reg, polled)
+
+    def _after_take(self, s: Session | None, reg: Registration, polled: Polled[Any]) -> Taken:
+        """What a take that gave ``polled`` did, and what the consumer does next; what it must
+        read for that (the controls, the next due time) is read in ``s``, the take's
+        transaction, or, after a take that committed alone (``s`` None: on its autocommit
+        connection a refresh of the controls could not take its savepoint), in a transaction
+        of its own, only when needed. Such a take saw no controls (see
+        ``LeasedQueue.poll_alone``), so its consumer may chain."""
         envs = polled.envelopes
         if polled.more:
-            return envs, Taken(len(envs), True, None, reg.source.gate(s) is None)
+            chainable = s is None or reg.source.gate(s) is None
+            return Taken(len(envs), True, None, chainable)
         if polled.held:  # paused or at a limit: due rows wait for the controls
-            return envs, Taken(len(envs), False, polled.wait)
+            return Taken(len(envs), False, polled.wait)
         if polled.ahead.known:  # the take's statement read when the next row is due
-            return envs, Taken(len(envs), False, self._due_in(reg, polled.ahead.next_at))
-        return envs, Taken(len(envs), False, self._idle(s, reg))
+            return Taken(len(envs), False, self._due_in(reg, polled.ahead.next_at))
+        if s is not None:
+            return Taken(len(envs), False, self._idle(s, reg))
+        with self.rt.session() as own, own.begin():
+            return Taken(len(envs), False, self._idle(own, reg))
 
     def _lease_once(self, reg: Registration, chain: bool = False) -> Taken:
         """Take, handle and acknowledge in lease mode: one message at a time (up to
@@ -1204,7 +1279,40 @@ class BaseWorker(Generic[S]):
             # In flight from its commit on, so a stop that comes first releases them.
             self._in_flight.add(reg, *taken[0])
             return acked, taken
+        if len(envs) == 1:
+            alone = self._ack_alone(reg, envs[0])
+            if alone is not None:
+                return alone, None
         return self._settle(reg, envs[0], "ack", envs) or 0, None
+
+    def _ack_alone(self, reg: Registration, env: Envelope[Any]) -> int | None:
+        """Acknowledge ``env`` in one statement that commits on its own, where the source
+        allows (see ``LeasedQueue.ack_alone``): one round trip where a transaction costs three.
+        None when not done so (not allowed here, or refused: the caller acknowledges in a
+        transaction, which reads why, a lost lease or a hold to end). When the statement fails
+        it may have committed (the connection lost after it was sent): the acknowledgement is
+        made again in a transaction, as after a failed commit (refused only if the first try
+        committed, which the log then says)."""
+        if self._fused_ack is False:
+            return None
+        s = self.rt.session()
+        if not self._autocommits(s):
+            s.close()
+            return None
+        try:
+            with s:
+                s.connection(execution_options={"isolation_level": "AUTOCOMMIT"})
+                acked = reg.source.ack_alone(s, env)
+                s.commit()  # ends SQLAlchemy's transaction object: the statement committed
+        except Exception as exc:
+            if retryable(exc):
+                self._db_error(exc)
+            else:
+                log.warning(
+                    "acknowledging on %s failed; acknowledging again: %s", reg.source.name, exc
+                )
+            return self._settle(reg, env, "ack", [env], after_failure=True) or 0
+        return 1 if acked else None
 
     def _ack_fused(
         self, reg: Registration, env: Envelope[Any], then: int
@@ -1223,11 +1331,9 @@ class BaseWorker(Generic[S]):
             return None
         got: tuple[bool, Polled[Any]] | None = None
         s = self.rt.session()
-        if self._fused_ack is None:
-            self._fused_ack = strategy_class(s.get_bind().dialect).fused_ack
-            if not self._fused_ack:
-                s.close()
-                return None
+        if not self._autocommits(s):
+            s.close()
+            return None
         try:
             with s:
                 s.connection(execution_options={"isolation_level": "AUTOCOMMIT"})
@@ -1304,7 +1410,7 @@ class BaseWorker(Generic[S]):
     def _settle(
         self,
         reg: Registration,
-        env: Envelope[Any],
+        env: Envelope[Any] | None,
         what: str,
         arg: Any = None,
         *,
@@ -1313,16 +1419,20 @@ class BaseWorker(Generic[S]):
         """Settle in a transaction of its own, retrying transient errors up to the lease.
 
         ``after_failure``: a transaction that held this settle already failed (its commit may
-        have happened, the connection lost before the reply)."""
+        have happened, the connection lost before the reply). ``env`` is None only to give
+        back what a take holds ("give back", whose ``arg`` is the take's prefix and lease end:
+        no message of its own)."""
         source = reg.source
+        message = cast(Envelope[Any], env)  # None only to give back, which has no message
         ops: dict[str, Callable[[Session], Any]] = {
             "ack": lambda s: self._acknowledge(s, reg, arg),
-            "nack": lambda s: source.nack(s, env, arg),
-            "release": lambda s: source.release(s, env, at=arg),
-            "record": lambda s: source.record_failure(s, env, arg),
+            "nack": lambda s: source.nack(s, message, arg),
+            "release": lambda s: source.release(s, message, at=arg),
+            "record": lambda s: source.record_failure(s, message, arg),
             "give back": lambda s: source.release_fused(s, *arg),
         }
         op = ops[what]
+        subject = source.name if env is None else f"{source.name}/{env.key}"
         delay = 0.05
         deadline = time.monotonic() + max(reg.lease.total_seconds(), 1.0)
         while True:
@@ -1331,33 +1441,34 @@ class BaseWorker(Generic[S]):
                 with self.rt.session() as s, s.begin():
                     result = op(s)
                     committing = True  # only a failure from here on may hide a commit
-                if after_failure and (
-                    result is NackOutcome.STALE or result is False or result == 0
+                if (
+                    after_failure
+                    and env is not None
+                    and what != "give back"  # nothing held is a normal answer there
+                    and (result is NackOutcome.STALE or result is False or result == 0)
                 ):
                     # Refused by its token: a lost lease, or the failed try did commit and only
                     # its reply was lost. Say so, rather than report what may be a death or an
                     # acknowledgement as "not recorded".
                     log.error(
-                        "the %s of %s/%s was refused after a try whose outcome is unknown (the "
+                        "the %s of %s was refused after a try whose outcome is unknown (the "
                         "connection was lost, perhaps after its commit): the message may be %s",
                         what,
-                        source.name,
-                        env.key,
+                        subject,
                         self._intended(reg, env, what),
                     )
                 return result
             except Exception as exc:
                 if not retryable(exc):
-                    self._fail(exc, f"the {what} of {source.name}/{env.key}")
+                    self._fail(exc, f"the {what} of {subject}")
                     return None
                 after_failure = after_failure or committing
                 self._db_error(exc)
                 if time.monotonic() > deadline:
                     log.error(
-                        "giving up on the %s of %s/%s; the lease will expire",
+                        "giving up on the %s of %s; the lease will expire",
                         what,
-                        source.name,
-                        env.key,
+                        subject,
                     )
                     return None
                 self.rt.sleep(delay)

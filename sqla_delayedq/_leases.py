@@ -17,7 +17,7 @@ import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Any, ClassVar, Generic, NamedTuple, TypeVar
 
 from sqlalchemy import update
 from sqlalchemy.orm import Session
@@ -79,8 +79,8 @@ class Ahead(NamedTuple):
 UNSEEN = Ahead(False, None)
 
 
-#: ``Session.info`` key: (prefix, lease end) of an :meth:`LeasedQueue.ack_and_poll` whose
-#: statement has not returned; left there when it raised.
+#: ``Session.info`` key: (prefix, lease end) of an :meth:`LeasedQueue.ack_and_poll` or
+#: :meth:`LeasedQueue.poll_alone` whose takes are not all delivered; left there when one raised.
 FUSED = "sqla_delayedq.fused"
 
 #: ``Session.info`` key: the messages the session's transaction buried at a take, a list of
@@ -291,15 +291,17 @@ class LeasedQueue(abc.ABC, Generic[T]):
         n: int,
         lease: timedelta,
         at: datetime | None = None,
+        prefix: str | None = None,
     ) -> Polled[T]:
         """The take itself; ``at``: the time every claim of it uses (else the clock's, per
-        claim)."""
+        claim); ``prefix``: the lock tokens' prefix of every claim (else a new one per claim)."""
         envelopes: list[Envelope[T]] = []
         more = False
         ahead = UNSEEN
+        fixed = prefix
         while len(envelopes) < n:
             now = self.now() if at is None else at
-            prefix = secrets.token_hex(12) + "."
+            prefix = fixed or secrets.token_hex(12) + "."
             claims = self._claim(session, strategy, now, now + lease, n - len(envelopes), prefix)
             more = claims.more
             if not claims.claimed:
@@ -316,6 +318,37 @@ class LeasedQueue(abc.ABC, Generic[T]):
                 ahead = Ahead(True, claims.next_at) if claims.seen else UNSEEN
                 break
         return Polled(envelopes, more, ahead=ahead)
+
+    #: Whether a take may run with each statement committing on its own (see
+    #: :meth:`poll_alone`): every claim of the queue is one statement that locks nothing it
+    #: needs after it returns.
+    takes_alone: ClassVar[bool] = False
+
+    @transient_as_ours
+    def poll_alone(self, session: Session, n: int, lease: timedelta) -> Polled[T] | None:
+        """:meth:`poll_batch` with each statement committing on its own, where the backend
+        gains by it (PostgreSQL, see ``Strategy.fused_ack``) and the queue allows it (see
+        :attr:`takes_alone`; no controls to apply): ``session`` must be on an autocommit
+        connection. A take is then one round trip, where a transaction of its own adds
+        ``BEGIN`` and ``COMMIT`` before the handler can start. None when not allowed here,
+        before anything ran.
+
+        The take's prefix and lease end are in ``session.info`` under :data:`FUSED` until what
+        it took is delivered: after a failure, which may follow a commit, :meth:`release_fused`
+        gives back what it holds."""
+        strategy = strategy_for(session)
+        if not (self.takes_alone and strategy.fused_ack):
+            return None
+        check_count(n)
+        fresh, controls = ctl.known(session, self.wake_key, self.name)
+        if not fresh or controls is not None:
+            return None  # a read, or controls to apply: only a transaction's take does that
+        now = self.now()
+        prefix = secrets.token_hex(12) + "."
+        session.info[FUSED] = (prefix, now + lease)
+        polled = self._poll(session, strategy, n, lease, now, prefix)
+        del session.info[FUSED]
+        return polled
 
     @transient_as_ours
     def ack_and_poll(
@@ -359,10 +392,23 @@ class LeasedQueue(abc.ABC, Generic[T]):
         return acked > 0, Polled(envelopes, claims.more or buried, ahead=ahead)
 
     @transient_as_ours
+    def ack_alone(self, session: Session, envelope: Envelope[Any]) -> bool | None:
+        """:meth:`ack`'s one statement on an autocommit session (it commits durably on its
+        own), where the backend gains by it and the queue allows it (as for
+        :meth:`ack_and_poll`): True when it acknowledged; False when refused (a lost lease, or
+        a hold that only :meth:`ack`, in a transaction, ends); None when not allowed here,
+        before anything ran."""
+        params = self._ack_params(envelope)
+        if params is None or not envelope.lock_token or not strategy_for(session).fused_ack:
+            return None
+        stmt = self._settle_statement("done" if "s_now" in params else "ack")
+        return st.affected(session, stmt, params) == 1
+
+    @transient_as_ours
     def release_fused(self, session: Session, prefix: str, until: datetime) -> int:
-        """Give back, due at once and uncounted, what a take of :meth:`ack_and_poll` with
-        ``prefix`` and lease end ``until`` holds, if it committed: its statement failed
-        without a reply. How many rows it gave back."""
+        """Give back, due at once and uncounted, what a take of :meth:`ack_and_poll` or
+        :meth:`poll_alone` with ``prefix`` and lease end ``until`` holds, if it committed: a
+        statement failed without a reply. How many rows it gave back."""
         shape = self.shape
         stmt = (
             update(shape.table)
@@ -532,14 +578,19 @@ class LeasedQueue(abc.ABC, Generic[T]):
 
         ``payload``: the envelope's payload, which :meth:`_mirror` may update to match.
         """
-        stmt = self._settles.get(name)
-        if stmt is None:
-            stmt = self._settles[name] = st.settle(self.shape, name)
+        stmt = self._settle_statement(name)
         if st.affected(session, stmt, {**params, "s_id": row_id, "s_token": token}) != 1:
             return bool(token) and self._settle_held(session, name, row_id, token, params)
         if payload is not None:
             self._mirror(payload, st.settled_values(self.shape, name, params))
         return True
+
+    def _settle_statement(self, name: st.SettleName) -> Any:
+        """The settle statement ``name`` of the queue's table, built once."""
+        stmt = self._settles.get(name)
+        if stmt is None:
+            stmt = self._settles[name] = st.settle(self.shape, name)
+        return stmt
 
     def _settle_held(
         self, session: Session, name: st.SettleName, row_id: Any, token: str, params: Any

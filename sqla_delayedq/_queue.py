@@ -95,6 +95,8 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         before any boosted one (oldest first), so no priority starves.
     """
 
+    takes_alone = True  # every claim is one statement (two probes with priorities)
+
     def __init__(
         self,
         name: str,

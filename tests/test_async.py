@@ -65,6 +65,8 @@ NOT_WRAPPED = {
     "process_next": "the worker's form of process_one",
     "ack_and_poll": "the worker's acknowledgement that takes the next, on an autocommit session",
     "release_fused": "the worker's recovery after ack_and_poll failed",
+    "poll_alone": "the worker's take on an autocommit session",
+    "ack_alone": "the worker's acknowledgement on an autocommit session",
 }
 
 

@@ -864,20 +864,22 @@ class Takes:
 
 
 class TakeCounter(Takes):
-    """Counts the takes a worker makes of a queue (``poll_batch``)."""
+    """Counts the takes a worker makes of a queue (``poll_batch``, or ``poll_alone`` where a
+    take commits on its own)."""
 
     def __init__(self, q: DelayedQueue[Any]) -> None:
         super().__init__()
-        take = q.poll_batch
+        take, alone = q.poll_batch, q.poll_alone
 
-        def counted(session: Session, n: int, **kw: Any) -> Any:
-            polled = take(session, n, **kw)
-            with self.lock:
-                self.takes += 1
-                self.empty += not polled.envelopes
+        def count(polled: Any) -> Any:
+            if polled is not None:  # None: poll_alone did not take here
+                with self.lock:
+                    self.takes += 1
+                    self.empty += not polled.envelopes
             return polled
 
-        q.poll_batch = counted  # type: ignore[method-assign]
+        q.poll_batch = lambda session, n, **kw: count(take(session, n, **kw))  # type: ignore[method-assign]
+        q.poll_alone = lambda session, n, lease: count(alone(session, n, lease))  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize(
@@ -2085,6 +2087,152 @@ def test_on_postgresql_one_statement_acknowledges_and_takes_the_next(pg, monkeyp
     alone = [x for x in sql if x.lstrip().startswith("DELETE FROM delayed_queue")]
     # The last acknowledgement follows a take that was not full (nothing more was due): alone.
     assert (len(fused), len(alone)) == (total - 1, 1)
+
+
+def test_on_postgresql_a_lease_take_is_one_statement_that_commits_on_its_own(pg, monkeypatch):
+    """An idle lease-mode consumer woken for a message takes it in one autocommit statement
+    (one round trip before its handler starts, where ``BEGIN``, the take and ``COMMIT`` were
+    three), and a message that waits for a retry, then for its lease, is taken the same way."""
+    from sqla_delayedq import controls
+
+    monkeypatch.setattr(controls, "REFRESH", 600.0)  # a refresh needs a transaction's take
+    q: DelayedQueue[Any] = DelayedQueue("alone")
+    takes: list[bool] = []  # per take statement: was its connection in autocommit?
+
+    def seen(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if "SKIP LOCKED" in statement and not statement.lstrip().startswith("WITH acked AS"):
+            takes.append(bool(conn.connection.dbapi_connection.autocommit))
+
+    handled: list[str] = []
+    worker = Worker(pg.Session, concurrency=1, poll_interval=0.05, listen=False)
+    worker.register(q, lambda env: handled.append(env.key), mode="lease")
+    sa.event.listen(pg.engine, "before_cursor_execute", seen)
+    try:
+        with running(worker):
+            for key in ("a", "b", "c"):
+                offer(pg, q, key)
+                assert wait_for(lambda: pending(pg, q) == 0, 15)
+    finally:
+        sa.event.remove(pg.engine, "before_cursor_execute", seen)
+    assert handled == ["a", "b", "c"]
+    # The first take reads the controls (in a transaction); every later one commits alone.
+    assert takes[0] is False and len(takes) > 3 and all(takes[1:]), takes
+
+
+@pytest.mark.parametrize("committed", [True, False])
+def test_a_take_alone_that_failed_without_a_reply_loses_and_repeats_nothing(
+    pg, make_worker, committed, monkeypatch, caplog
+):
+    """The autocommit take raises as a lost connection does: it ran and committed
+    (``committed``) or it did not, and the worker cannot tell. What it may have taken is given
+    back at once, uncounted (left alone, it stays leased under tokens nobody holds, then counts
+    an attempt: dead, with one allowed), and taken again: every message handled once, none
+    dead, none redelivered."""
+    from sqla_delayedq import controls
+    from sqla_delayedq._leases import FUSED
+
+    monkeypatch.setattr(controls, "REFRESH", 600.0)  # keep the takes alone (see above)
+    real = PostgreSQLStrategy.claim
+    armed: list[bool] = []
+    fired: list[bool] = []
+
+    def lost(self: Any, session: Session, *args: Any, **kw: Any) -> Any:
+        if armed and not fired and session.info.get(FUSED):
+            fired.append(True)
+            if committed:
+                real(self, session, *args, **kw)
+            raise TransientError("injected: the connection was lost")
+        return real(self, session, *args, **kw)
+
+    monkeypatch.setattr(PostgreSQLStrategy, "claim", lost)
+    retry = ExponentialBackoff(max_attempts=1, initial=timedelta(hours=1), jitter=0)
+    q: DelayedQueue[Any] = DelayedQueue("alone-lost", lease=timedelta(minutes=5), retry=retry)
+    handled: list[str] = []
+    hooks = RecordingHooks()
+    worker = make_worker(
+        pg, concurrency=1, poll_interval=0.05, listen=False, keep_statistics=False, hooks=hooks
+    )
+    worker.register(q, lambda env: handled.append(env.key), mode="lease")
+    keys = ["m0", "m1", "m2"]
+    with caplog.at_level("WARNING", logger="sqla_delayedq"), running(worker):
+        assert wait_for(lambda: waiting(worker) == 1, 15)  # idle: its takes commit alone
+        armed.append(True)
+        with pg.Session() as s, s.begin():
+            q.offer_batch(s, [(k, {}) for k in keys])
+        assert wait_for(lambda: pending(pg, q) == 0, 30)
+    assert fired
+    assert sorted(handled) == keys  # each once: nothing waited for its lease to run out
+    assert sorted(k for _, k, _ in hooks.processed_) == keys
+    assert hooks.failed_ == [] and hooks.redelivered_ == [] and hooks.buried_ == []
+    assert len(hooks.db_errors) == 1
+    assert ("committed, though it raised" in caplog.text) is committed
+    with pg.Session() as s:
+        assert q.counts(s).dead == 0
+
+
+def test_on_postgresql_an_acknowledgement_alone_is_one_statement(pg):
+    """A lease-mode acknowledgement that takes nothing after it (the take before it was not
+    full) is one autocommit statement: one round trip and one durable commit, where ``BEGIN``,
+    the ack and ``COMMIT`` were three."""
+    q: DelayedQueue[Any] = DelayedQueue("ack-alone")
+    acks: list[bool] = []  # per acknowledgement: was its connection in autocommit?
+
+    def seen(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.lstrip().startswith("DELETE FROM delayed_queue WHERE delayed_queue.id ="):
+            acks.append(bool(conn.connection.dbapi_connection.autocommit))
+
+    handled: list[str] = []
+    worker = Worker(pg.Session, concurrency=1, poll_interval=0.05, listen=False, batch_size=5)
+    worker.register(q, lambda env: handled.append(env.key), mode="lease")
+    sa.event.listen(pg.engine, "before_cursor_execute", seen)
+    try:
+        with running(worker):
+            for key in ("a", "b", "c"):
+                offer(pg, q, key)
+                assert wait_for(lambda: pending(pg, q) == 0, 15)
+    finally:
+        sa.event.remove(pg.engine, "before_cursor_execute", seen)
+    assert handled == ["a", "b", "c"]
+    assert acks == [True, True, True]
+
+
+@pytest.mark.parametrize("committed", [True, False])
+def test_an_acknowledgement_alone_that_failed_without_a_reply_is_made_again(
+    pg, make_worker, committed, monkeypatch, caplog
+):
+    """The autocommit acknowledgement raises as a lost connection does, after it committed
+    (``committed``) or before: it is made again in a transaction, as after a failed commit.
+    Every message handled once and gone, none redelivered; a second try refused because the
+    first committed says so in the log."""
+    real = DelayedQueue.ack_alone
+    fired: list[bool] = []
+
+    def lost(self: Any, session: Session, envelope: Any) -> Any:
+        if not fired:
+            fired.append(True)
+            if committed:
+                real(self, session, envelope)
+            raise TransientError("injected: the connection was lost")
+        return real(self, session, envelope)
+
+    monkeypatch.setattr(DelayedQueue, "ack_alone", lost)
+    q: DelayedQueue[Any] = DelayedQueue("ack-alone-lost")
+    handled: list[str] = []
+    hooks = RecordingHooks()
+    worker = make_worker(
+        pg, concurrency=1, poll_interval=0.05, listen=False, keep_statistics=False, hooks=hooks
+    )
+    worker.register(q, lambda env: handled.append(env.key), mode="lease")
+    with caplog.at_level("WARNING", logger="sqla_delayedq"), running(worker):
+        for key in ("a", "b"):
+            offer(pg, q, key)
+            assert wait_for(lambda: pending(pg, q) == 0, 15)
+    assert fired and handled == ["a", "b"]
+    assert hooks.redelivered_ == [] and hooks.failed_ == [] and len(hooks.db_errors) == 1
+    # Refused only when the first try committed: then the log says it may be acknowledged.
+    reported = sorted(k for _, k, _ in hooks.processed_)
+    assert reported == (["b"] if committed else ["a", "b"])
+    assert ("may be acknowledged" in caplog.text) is committed
 
 
 def test_on_postgresql_a_grouped_queue_acknowledges_and_takes_in_one_statement(pg, monkeypatch):
