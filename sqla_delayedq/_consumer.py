@@ -371,6 +371,10 @@ FAILED_RETRY = 0.05
 CHAIN_LIMIT = 10
 
 
+#: The execution options of a connection whose statements commit on their own.
+AUTOCOMMIT = {"isolation_level": "AUTOCOMMIT"}
+
+
 class Taken(NamedTuple):
     """What one take of a queue did."""
 
@@ -1003,15 +1007,12 @@ class BaseWorker(Generic[S]):
         sent): what it holds is given back, due at once and uncounted, and the error goes to
         the consumer's loop as a failed take's does. Once the take returned, what it took is
         delivered whatever fails after it."""
-        if not reg.source.takes_alone or self._fused_ack is False:
-            return None
-        s = self.rt.session()
-        if not self._autocommits(s):
-            s.close()
+        s = self._autocommit_session() if reg.source.takes_alone else None
+        if s is None:
             return None
         try:
             with s:
-                s.connection(execution_options={"isolation_level": "AUTOCOMMIT"})
+                s.connection(execution_options=AUTOCOMMIT)
                 s.info[TAKE_ONLY] = True  # its commit need not wait for the WAL flush
                 polled = reg.source.poll_alone(s, n, reg.lease)
                 if polled is None:
@@ -1040,12 +1041,19 @@ class BaseWorker(Generic[S]):
                 log.warning("reading %s after a take failed: %s", reg.source.name, exc)
             return envs, Taken(len(envs), True, None)
 
-    def _autocommits(self, s: Session) -> bool:
-        """Whether the database gains by statements that commit on their own (see
-        ``Strategy.fused_ack``): asked of the first session, then known."""
+    def _autocommit_session(self) -> Session | None:
+        """A new session for statements that commit on their own (to connect with
+        :data:`AUTOCOMMIT`), where the database gains by them (see ``Strategy.fused_ack``:
+        asked of the first session, then known); None elsewhere."""
+        if self._fused_ack is False:
+            return None
+        s = self.rt.session()
         if self._fused_ack is None:
             self._fused_ack = strategy_class(s.get_bind().dialect).fused_ack
-        return self._fused_ack
+        if not self._fused_ack:
+            s.close()
+            return None
+        return s
 
     def _report_buried(self, reg: Registration, s: Session) -> None:
         """After ``s`` committed: tell the hooks of each message its takes buried (see
@@ -1293,15 +1301,12 @@ class BaseWorker(Generic[S]):
         it may have committed (the connection lost after it was sent): the acknowledgement is
         made again in a transaction, as after a failed commit (refused only if the first try
         committed, which the log then says)."""
-        if self._fused_ack is False:
-            return None
-        s = self.rt.session()
-        if not self._autocommits(s):
-            s.close()
+        s = self._autocommit_session()
+        if s is None:
             return None
         try:
             with s:
-                s.connection(execution_options={"isolation_level": "AUTOCOMMIT"})
+                s.connection(execution_options=AUTOCOMMIT)
                 acked = reg.source.ack_alone(s, env)
                 s.commit()  # ends SQLAlchemy's transaction object: the statement committed
         except Exception as exc:
@@ -1327,16 +1332,13 @@ class BaseWorker(Generic[S]):
         after a failed commit of :meth:`_ack`'s transaction. A failure after it returned (the
         session's own commit) loses nothing: it committed, and what it took is known (read
         back as :meth:`_took` does)."""
-        if self._fused_ack is False:
-            return None
         got: tuple[bool, Polled[Any]] | None = None
-        s = self.rt.session()
-        if not self._autocommits(s):
-            s.close()
+        s = self._autocommit_session()
+        if s is None:
             return None
         try:
             with s:
-                s.connection(execution_options={"isolation_level": "AUTOCOMMIT"})
+                s.connection(execution_options=AUTOCOMMIT)
                 got = reg.source.ack_and_poll(s, env, then, reg.lease)
                 if got is None:
                     return None

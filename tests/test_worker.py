@@ -2089,22 +2089,20 @@ def test_on_postgresql_one_statement_acknowledges_and_takes_the_next(pg, monkeyp
     assert (len(fused), len(alone)) == (total - 1, 1)
 
 
-def test_on_postgresql_a_lease_take_is_one_statement_that_commits_on_its_own(pg, monkeypatch):
-    """An idle lease-mode consumer woken for a message takes it in one autocommit statement
-    (one round trip before its handler starts, where ``BEGIN``, the take and ``COMMIT`` were
-    three), and a message that waits for a retry, then for its lease, is taken the same way."""
-    from sqla_delayedq import controls
-
-    monkeypatch.setattr(controls, "REFRESH", 600.0)  # a refresh needs a transaction's take
-    q: DelayedQueue[Any] = DelayedQueue("alone")
-    takes: list[bool] = []  # per take statement: was its connection in autocommit?
+def one_at_a_time(
+    pg: Any, q: DelayedQueue[Any], picked: Callable[[str], bool], **options: Any
+) -> list[bool]:
+    """A lease-mode worker of one consumer while "a", "b" and "c" are offered one at a time,
+    each acknowledged before the next: per statement that ``picked`` selects, whether its
+    connection was in autocommit."""
+    flags: list[bool] = []
 
     def seen(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        if "SKIP LOCKED" in statement and not statement.lstrip().startswith("WITH acked AS"):
-            takes.append(bool(conn.connection.dbapi_connection.autocommit))
+        if picked(statement.lstrip()):
+            flags.append(bool(conn.connection.dbapi_connection.autocommit))
 
     handled: list[str] = []
-    worker = Worker(pg.Session, concurrency=1, poll_interval=0.05, listen=False)
+    worker = Worker(pg.Session, concurrency=1, poll_interval=0.05, listen=False, **options)
     worker.register(q, lambda env: handled.append(env.key), mode="lease")
     sa.event.listen(pg.engine, "before_cursor_execute", seen)
     try:
@@ -2115,6 +2113,21 @@ def test_on_postgresql_a_lease_take_is_one_statement_that_commits_on_its_own(pg,
     finally:
         sa.event.remove(pg.engine, "before_cursor_execute", seen)
     assert handled == ["a", "b", "c"]
+    return flags
+
+
+def test_on_postgresql_a_lease_take_is_one_statement_that_commits_on_its_own(pg, monkeypatch):
+    """An idle lease-mode consumer woken for a message takes it in one autocommit statement:
+    one round trip before its handler starts, where ``BEGIN``, the take and ``COMMIT`` were
+    three."""
+    from sqla_delayedq import controls
+
+    monkeypatch.setattr(controls, "REFRESH", 600.0)  # a refresh needs a transaction's take
+    takes = one_at_a_time(
+        pg,
+        DelayedQueue("alone"),
+        lambda sql: "SKIP LOCKED" in sql and not sql.startswith("WITH acked AS"),
+    )
     # The first take reads the controls (in a transaction); every later one commits alone.
     assert takes[0] is False and len(takes) > 3 and all(takes[1:]), takes
 
@@ -2174,25 +2187,12 @@ def test_on_postgresql_an_acknowledgement_alone_is_one_statement(pg):
     """A lease-mode acknowledgement that takes nothing after it (the take before it was not
     full) is one autocommit statement: one round trip and one durable commit, where ``BEGIN``,
     the ack and ``COMMIT`` were three."""
-    q: DelayedQueue[Any] = DelayedQueue("ack-alone")
-    acks: list[bool] = []  # per acknowledgement: was its connection in autocommit?
-
-    def seen(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        if statement.lstrip().startswith("DELETE FROM delayed_queue WHERE delayed_queue.id ="):
-            acks.append(bool(conn.connection.dbapi_connection.autocommit))
-
-    handled: list[str] = []
-    worker = Worker(pg.Session, concurrency=1, poll_interval=0.05, listen=False, batch_size=5)
-    worker.register(q, lambda env: handled.append(env.key), mode="lease")
-    sa.event.listen(pg.engine, "before_cursor_execute", seen)
-    try:
-        with running(worker):
-            for key in ("a", "b", "c"):
-                offer(pg, q, key)
-                assert wait_for(lambda: pending(pg, q) == 0, 15)
-    finally:
-        sa.event.remove(pg.engine, "before_cursor_execute", seen)
-    assert handled == ["a", "b", "c"]
+    acks = one_at_a_time(
+        pg,
+        DelayedQueue("ack-alone"),
+        lambda sql: sql.startswith("DELETE FROM delayed_queue WHERE delayed_queue.id ="),
+        batch_size=5,
+    )
     assert acks == [True, True, True]
 
 
