@@ -1010,6 +1010,7 @@ class BaseWorker(Generic[S]):
         s = self._autocommit_session() if reg.source.takes_alone else None
         if s is None:
             return None
+        polled: Polled[Any] | None = None
         try:
             with s:
                 s.connection(execution_options=AUTOCOMMIT)
@@ -1019,6 +1020,13 @@ class BaseWorker(Generic[S]):
                     return None
                 s.commit()  # ends SQLAlchemy's transaction object: the statements committed
         except Exception as exc:
+            if polled is not None:  # it returned, so its statements committed: deliver them
+                self.hooks.db_error(exc)
+                log.warning(
+                    "a take on %s returned, then its session failed: %s", reg.source.name, exc
+                )
+                self._report_buried(reg, s)
+                return polled.envelopes, Taken(len(polled.envelopes), True, None)
             sent = s.info.get(FUSED)
             if sent is not None and self._settle(reg, None, "give back", sent):
                 log.warning(
@@ -1304,12 +1312,16 @@ class BaseWorker(Generic[S]):
         s = self._autocommit_session()
         if s is None:
             return None
+        acked: bool | None = None
         try:
             with s:
                 s.connection(execution_options=AUTOCOMMIT)
                 acked = reg.source.ack_alone(s, env)
                 s.commit()  # ends SQLAlchemy's transaction object: the statement committed
         except Exception as exc:
+            if acked is not None:  # it returned, so it committed: a failure after it is moot
+                self.hooks.db_error(exc)
+                return 1 if acked else None
             if retryable(exc):
                 self._db_error(exc)
             else:

@@ -2183,6 +2183,52 @@ def test_a_take_alone_that_failed_without_a_reply_loses_and_repeats_nothing(
         assert q.counts(s).dead == 0
 
 
+def test_a_take_alone_whose_session_fails_after_it_returned_delivers_what_it_took(
+    pg, make_worker, monkeypatch
+):
+    """The autocommit take returned (its statement committed), then its session failed (the
+    connection lost before the session's own commit, a no-op there, could run): its messages
+    are handled at once. Dropped, they stayed leased under tokens nobody held until the lease
+    ran out, which counted an attempt: dead, with one allowed, though no handler had run."""
+    from sqla_delayedq import controls
+
+    monkeypatch.setattr(controls, "REFRESH", 600.0)  # keep the takes alone
+    real = DelayedQueue.poll_alone
+    fired: list[bool] = []
+
+    def then_lost(self: Any, session: Session, n: int, lease: Any) -> Any:
+        polled = real(self, session, n, lease)
+        if polled is not None and polled.envelopes and not fired:
+            fired.append(True)
+
+            def lost(*args: Any) -> None:
+                raise TransientError("injected: the connection was lost")
+
+            sa.event.listen(session, "before_commit", lost, once=True)
+        return polled
+
+    monkeypatch.setattr(DelayedQueue, "poll_alone", then_lost)
+    retry = ExponentialBackoff(max_attempts=1, initial=timedelta(hours=1), jitter=0)
+    q: DelayedQueue[Any] = DelayedQueue("alone-then-lost", lease=timedelta(minutes=5), retry=retry)
+    handled: list[str] = []
+    hooks = RecordingHooks()
+    worker = make_worker(
+        pg, concurrency=1, poll_interval=0.05, listen=False, keep_statistics=False, hooks=hooks
+    )
+    worker.register(q, lambda env: handled.append(env.key), mode="lease")
+    keys = ["m0", "m1", "m2"]
+    with running(worker):
+        assert wait_for(lambda: waiting(worker) == 1, 15)  # idle: its takes commit alone
+        with pg.Session() as s, s.begin():
+            q.offer_batch(s, [(k, {}) for k in keys])
+        assert wait_for(lambda: pending(pg, q) == 0, 30)
+    assert fired
+    assert sorted(handled) == keys
+    assert hooks.redelivered_ == [] and hooks.buried_ == [] and len(hooks.db_errors) == 1
+    with pg.Session() as s:
+        assert q.counts(s).dead == 0
+
+
 def test_on_postgresql_an_acknowledgement_alone_is_one_statement(pg):
     """A lease-mode acknowledgement that takes nothing after it (the take before it was not
     full) is one autocommit statement: one round trip and one durable commit, where ``BEGIN``,
