@@ -467,7 +467,9 @@ def test_a_handler_raising_a_base_exception_stops_the_worker_loudly(
     lease mode the heartbeat kept the message leased for ever, no attempt counted. Now the
     worker stops with the error and the attempt is recorded; in transactional mode too, after
     the rollback: uncounted, the message stopped every next worker at once and never died."""
-    q: DelayedQueue[Any] = DelayedQueue("base-exc", lease=timedelta(seconds=1))
+    # A retry an hour away: a slow stop must not let it fall due before the state is read.
+    retry = ExponentialBackoff(initial=timedelta(hours=1), jitter=0)
+    q: DelayedQueue[Any] = DelayedQueue("base-exc", lease=timedelta(seconds=1), retry=retry)
     offer(backend, q, "poison")
     runs: list[str] = []
 
