@@ -747,10 +747,11 @@ class PostgreSQLStrategy(Strategy):
         grouping: st.Grouping = None,
     ) -> tuple[int, Claims] | None:
         done = "s_now" in ack
+        fixed, limit_by = take_limit(limit)
         stmt = self.cached(
             t,
-            f"ack_and_claim:{done}:{grouping}",
-            lambda: st.ack_and_claim(t, done, grouping, self.group_hold(False)),
+            f"ack_and_claim:{done}:{grouping}:{fixed}",
+            lambda: st.ack_and_claim(t, done, limit_by, grouping, self.group_hold(False)),
         )
         params = {**P.take(queue, now, lease_until, limit, prefix), **ack}
         rows = session.execute(stmt, params).all()

@@ -616,13 +616,13 @@ def claim_ahead(take: Update, t: Table, queue: Any, now: Any) -> Select[Any]:
 
 
 def ack_and_claim(
-    t: Table, done: bool, grouping: Grouping = None, hold: GroupLock | None = None
+    t: Table, done: bool, limit: Any, grouping: Grouping = None, hold: GroupLock | None = None
 ) -> Select[Any]:
     """PostgreSQL: acknowledge one taken message (by id and lock token, as :func:`settle`
     ``ack``, or ``done`` for a queue with retention) and take the next due ones (as
-    :func:`claim_returning`, with ``grouping`` and ``hold``), in one statement: a consumer in
-    lease mode that runs it in autocommit pays one round trip and one commit per message
-    instead of ``BEGIN``, ack, take, ``COMMIT``.
+    :func:`claim_returning`, with ``limit``, ``grouping`` and ``hold``), in one statement: a
+    consumer in lease mode that runs it in autocommit pays one round trip and one commit per
+    message instead of ``BEGIN``, ack, take, ``COMMIT``.
 
     One row per taken message, or one row of NULLs when none was; each carries ``acked``, the
     number of rows the acknowledgement matched (0 or 1), and, for a queue without groups,
@@ -640,7 +640,7 @@ def ack_and_claim(
     acked = settle(shape, "done" if done else "ack").returning(shape.id).cte("acked")
     s_id = bindparam("s_id", type_=shape.id.type)
     taken = claim_returning(
-        t, P.queue, P.now, P.until, P.limit, P.prefix, grouping, hold=hold, exclude=s_id
+        t, P.queue, P.now, P.until, limit, P.prefix, grouping, hold=hold, exclude=s_id
     ).cte("taken")
     count = select(func.count().label("acked")).select_from(acked).subquery("ack_count")
     next_at = next_due(shape, P.queue, P.now).where(shape.id != s_id).scalar_subquery()

@@ -66,7 +66,7 @@ def test_the_ack_that_takes_the_next_uses_an_index_look_up_and_the_due_index(pg,
         }
         with pg.engine.connect() as conn:
             conn.exec_driver_sql("ANALYZE delayed_queue")
-            plan = explain(conn, st.ack_and_claim(T, done), params)
+            plan = explain(conn, st.ack_and_claim(T, done, 1), params)
         assert "ix_delayed_queue_due" in plan, plan
         acked = r"CTE acked\n\s+->  (Delete|Update) on delayed_queue.*\n\s+->  Index Scan using "
         assert re.search(acked + r"(delayed_queue_pkey|ix_delayed_queue_lock_token)", plan), plan
@@ -125,7 +125,7 @@ def take_plans(conn, now) -> dict[str, str]:
             ("claim", st.claim_returning(T, "q", now, until, limit, "tok.")),
             ("consume", st.consume_returning(T, "q", now, limit, True)),
             ("consume ahead", st.consume_returning(T, "q", now, limit, True, ahead=True)),
-            ("ack and claim", st.ack_and_claim(T, False)),
+            ("ack and claim", st.ack_and_claim(T, False, limit)),
         )
         for prepared in (False, True)
     }
@@ -531,7 +531,7 @@ def test_a_prepared_take_keeps_one_plan_for_all_its_values(pg, clock, groups):
         "claim": st.claim_returning(
             T, st.P.queue, st.P.now, st.P.until, st.P.limit, st.P.prefix, grouping, hold=hold
         ),
-        "ack and claim": st.ack_and_claim(T, False, grouping, hold),
+        "ack and claim": st.ack_and_claim(T, False, st.P.limit, grouping, hold),
         "consume": st.consume_returning(
             T, st.P.queue, st.P.now, st.P.limit, True, grouping, hold=hold
         ),

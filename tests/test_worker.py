@@ -2244,6 +2244,40 @@ def test_on_postgresql_an_acknowledgement_alone_is_one_statement(pg):
     assert acks == [True, True, True]
 
 
+@pytest.mark.parametrize("mode", ["lease", "transactional", "batch"])
+def test_a_drain_runs_its_statements_as_cached_without_rewriting_them(backend, make_worker, mode):
+    """Every statement of a drain (takes, fused acknowledgements, reads between them) runs as
+    SQLAlchemy cached it: none has a ``LIMIT`` written into its text at each execution (the
+    post-compile step of ``literal_execute``, a few percent of a message's client time)."""
+    q: DelayedQueue[Any] = DelayedQueue(f"cached-{mode}")
+    with backend.Session() as s, s.begin():
+        for i in range(30):
+            q.offer(s, f"k{i}", {})
+    handled: list[str] = []
+    rewritten: list[str] = []
+    worker = make_worker(backend, concurrency=2, poll_interval=0.05, listen=False)
+    engine = worker.engine.sync_engine if isinstance(worker, AsyncRunner) else backend.engine
+
+    def seen(conn: Any, cursor: Any, statement: str, params: Any, context: Any, many: Any) -> None:
+        if context.compiled is not None and context.compiled.literal_execute_params:
+            rewritten.append(" ".join(statement.split())[:120])
+
+    if mode == "batch":
+        worker.register_batch(q, lambda envs: handled.extend(e.key for e in envs), batch_size=7)
+    elif mode == "transactional":
+        worker.register(q, lambda env, s: handled.append(env.key), mode=mode)
+    else:
+        worker.register(q, lambda env: handled.append(env.key), mode=mode)
+    sa.event.listen(engine, "before_cursor_execute", seen)
+    try:
+        with running(worker):
+            assert wait_for(lambda: len(handled) == 30, 30)
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", seen)
+    assert sorted(handled) == sorted(f"k{i}" for i in range(30))
+    assert rewritten == []
+
+
 @pytest.mark.parametrize("committed", [True, False])
 def test_an_acknowledgement_alone_that_failed_without_a_reply_is_made_again(
     pg, make_worker, committed, monkeypatch, caplog
