@@ -995,6 +995,9 @@ class BaseWorker(Generic[S]):
                 raise  # it did not commit (or cannot be read): the loop retries, as before
             self.hooks.db_error(exc)
             envs = got
+        except BaseException as exc:
+            self._give_back_interrupted(reg, exc, envs)  # ``envs``: its commit may have happened
+            raise
         return envs, taken
 
     def _take_alone(self, reg: Registration, n: int) -> tuple[list[Envelope[Any]], Taken] | None:
@@ -1006,7 +1009,8 @@ class BaseWorker(Generic[S]):
         When it fails, it may have committed (the connection lost after the statement was
         sent): what it holds is given back, due at once and uncounted, and the error goes to
         the consumer's loop as a failed take's does. Once the take returned, what it took is
-        delivered whatever fails after it."""
+        delivered whatever fails after it, but an interruption (see
+        :meth:`_give_back_interrupted`)."""
         s = self._autocommit_session() if reg.source.takes_alone else None
         if s is None:
             return None
@@ -1036,9 +1040,13 @@ class BaseWorker(Generic[S]):
                     exc,
                 )
             raise
-        self._report_buried(reg, s)
+        except BaseException as exc:
+            taken = polled.envelopes if polled is not None else []
+            self._give_back_interrupted(reg, exc, taken, s.info.get(FUSED))
+            raise
         envs = polled.envelopes
         try:
+            self._report_buried(reg, s)
             return envs, self._after_take(None, reg, polled)
         except Exception as exc:  # what it took is taken: handle it, then look again
             if not envs:
@@ -1048,6 +1056,56 @@ class BaseWorker(Generic[S]):
             else:
                 log.warning("reading %s after a take failed: %s", reg.source.name, exc)
             return envs, Taken(len(envs), True, None)
+        except BaseException as exc:
+            self._give_back_interrupted(reg, exc, envs)
+            raise
+
+    def _give_back_interrupted(
+        self,
+        reg: Registration,
+        exc: BaseException,
+        taken: Sequence[Envelope[Any]],
+        sent: tuple[str, datetime] | None = None,
+        acks: Sequence[Envelope[Any]] = (),
+    ) -> None:
+        """After an interruption (``exc``: ``KeyboardInterrupt``, ``SystemExit``, a task's
+        cancellation, as a stop whose drain timed out sends) between a take's statement and
+        the moment what it took is in flight: give back, due at once and uncounted, what the
+        take may hold (``taken``: by their lock tokens; ``sent``: a statement with no reply, by
+        its prefix and lease end), no handler having run; with ``acks``, acknowledge those
+        (their handlers succeeded, and the interrupted statement carried their
+        acknowledgement). One try, in a transaction of its own; a failure is logged. Without
+        it, the rows stayed leased under tokens nobody held, and the end of the lease counted
+        an attempt that no handler made (dead unhandled, with one attempt allowed)."""
+        if not (taken or sent or acks):
+            return  # the take's transaction never committed: it holds nothing
+        source = reg.source
+        given = 0
+        try:
+            with self.rt.session() as s, s.begin():
+                if sent is not None:
+                    given += source.release_fused(s, *sent)
+                for env in taken:
+                    given += bool(source.release(s, env))
+                if acks:
+                    self._acknowledge(s, reg, list(acks))
+        except Exception as error:
+            log.error(
+                "a take on %s was interrupted (%r), and what it holds could not be given back "
+                "(%s): it is due again when its lease ends, which counts as an attempt",
+                source.name,
+                exc,
+                error,
+            )
+            return
+        if given:
+            log.warning(
+                "a take on %s was interrupted (%r): the %d message(s) it took are due again, "
+                "unhandled and uncounted",
+                source.name,
+                exc,
+                given,
+            )
 
     def _autocommit_session(self) -> Session | None:
         """A new session for statements that commit on their own (to connect with
@@ -1081,6 +1139,16 @@ class BaseWorker(Generic[S]):
         carry their tokens. Read in a transaction of its own, retried on transient errors up to
         the lease, as a settle is. Left alone, such a take kept its messages leased under tokens
         nobody held, then counted an attempt no handler had made (dead, with one allowed)."""
+        try:
+            return self._read_took(reg, envs, error, then)
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                self._give_back_interrupted(reg, exc, envs)
+            raise
+
+    def _read_took(
+        self, reg: Registration, envs: list[Envelope[Any]], error: BaseException, then: str
+    ) -> list[Envelope[Any]] | None:
         source = reg.source
         delay = 0.05
         deadline = time.monotonic() + max(reg.lease.total_seconds(), 1.0)
@@ -1292,6 +1360,11 @@ class BaseWorker(Generic[S]):
                     return ack or 0, None
                 self.hooks.db_error(exc)
                 taken = (got, taken[1])
+            except BaseException as exc:
+                # Its commit may have happened, or not: what it took is given back, and the
+                # acknowledgement made (again).
+                self._give_back_interrupted(reg, exc, taken[0], acks=envs)
+                raise
             # In flight from its commit on, so a stop that comes first releases them.
             self._in_flight.add(reg, *taken[0])
             return acked, taken
@@ -1342,8 +1415,7 @@ class BaseWorker(Generic[S]):
         sent): what it may have taken is given back, due at once and uncounted (found by its
         lock tokens' prefix and its lease end), and the acknowledgement is made on its own, as
         after a failed commit of :meth:`_ack`'s transaction. A failure after it returned (the
-        session's own commit) loses nothing: it committed, and what it took is known (read
-        back as :meth:`_took` does)."""
+        session's own commit) loses nothing: it committed, and what it took is delivered."""
         got: tuple[bool, Polled[Any]] | None = None
         s = self._autocommit_session()
         if s is None:
@@ -1355,26 +1427,36 @@ class BaseWorker(Generic[S]):
                 if got is None:
                     return None
                 s.commit()  # ends SQLAlchemy's transaction object: the statement committed
-            self._report_buried(reg, s)
         except Exception as exc:
             if got is None:
                 return self._unfused(reg, env, s.info.get(FUSED), exc)
-            took = got[1].envelopes and self._took(reg, got[1].envelopes, exc, "handling them")
             self.hooks.db_error(exc)
-            got = got[0], got[1]._replace(envelopes=list(took or []))
+            log.warning(
+                "acknowledging and taking on %s returned, then its session failed: %s",
+                reg.source.name,
+                exc,
+            )
+        except BaseException as exc:
+            if got is None:  # the statement's outcome is unknown: the ack is made again
+                self._give_back_interrupted(reg, exc, [], s.info.get(FUSED), [env])
+            else:
+                self._give_back_interrupted(reg, exc, got[1].envelopes)
+            raise
         acked, polled = got
+        envs = polled.envelopes
+        # In flight from the commit on: the heartbeat keeps their leases, and a stop (or an
+        # interruption, see ``process_due``) that comes first releases them.
+        self._in_flight.add(reg, *envs)
+        self._report_buried(reg, s)
         if not acked:
             # Refused: its lease was lost, or an offer updated the message meanwhile, which
             # then holds it for this delivery: the settle alone ends the hold (see
             # LeasedQueue._settle_held), in a transaction of its own.
             acked = bool(self._settle(reg, env, "ack", [env]))
-        envs = polled.envelopes
         if polled.more:  # no controls: chainable
             taken = Taken(len(envs), True, None, True)
         else:  # when the next row is due, as the statement read it (with groups: unknown)
             taken = Taken(len(envs), False, self._due_in(reg, polled.ahead.next_at))
-        # In flight from the commit on, so a stop that comes first releases them.
-        self._in_flight.add(reg, *envs)
         return int(acked), (envs, taken)
 
     def _unfused(
@@ -1665,11 +1747,12 @@ class BaseWorker(Generic[S]):
                     log.warning("%s: stopping %s failed", self.name, task.name, exc_info=True)
 
     def _release_in_flight(self) -> None:
-        """On stop, after the drain: give back what handlers still hold, due when a lease from
-        now ends, no attempt counted. Not at once: a thread cannot be killed, so a handler
-        still running (on the asyncio worker, one whose work went on in a thread) would run
-        beside the consumer that took it next. A handler that outlives that lease too may be
-        redelivered, as any lease-mode handler that outlives its lease."""
+        """On stop, after the drain, and when ``process_due`` ends (on an error or an
+        interruption, with envelopes taken and not settled): give back what handlers still
+        hold, due when a lease from now ends, no attempt counted. Not at once: a thread cannot
+        be killed, so a handler still running (on the asyncio worker, one whose work went on in
+        a thread) would run beside the consumer that took it next. A handler that outlives that
+        lease too may be redelivered, as any lease-mode handler that outlives its lease."""
         for reg, env, _ in self._in_flight.snapshot():
             self._settle(reg, env, "release", reg.source.now() + reg.lease)
             self._in_flight.pop(reg, env)
