@@ -1444,8 +1444,8 @@ class BaseWorker(Generic[S]):
             raise
         acked, polled = got
         envs = polled.envelopes
-        # In flight from the commit on: the heartbeat keeps their leases, and a stop (or an
-        # interruption, see ``process_due``) that comes first releases them.
+        # In flight from the commit on: the heartbeat keeps their leases, and a stop that comes
+        # first releases them.
         self._in_flight.add(reg, *envs)
         self._report_buried(reg, s)
         if not acked:
@@ -1747,12 +1747,11 @@ class BaseWorker(Generic[S]):
                     log.warning("%s: stopping %s failed", self.name, task.name, exc_info=True)
 
     def _release_in_flight(self) -> None:
-        """On stop, after the drain, and when ``process_due`` ends (on an error or an
-        interruption, with envelopes taken and not settled): give back what handlers still
-        hold, due when a lease from now ends, no attempt counted. Not at once: a thread cannot
-        be killed, so a handler still running (on the asyncio worker, one whose work went on in
-        a thread) would run beside the consumer that took it next. A handler that outlives that
-        lease too may be redelivered, as any lease-mode handler that outlives its lease."""
+        """On stop, after the drain: give back what handlers still hold, due when a lease from
+        now ends, no attempt counted. Not at once: a thread cannot be killed, so a handler
+        still running (on the asyncio worker, one whose work went on in a thread) would run
+        beside the consumer that took it next. A handler that outlives that lease too may be
+        redelivered, as any lease-mode handler that outlives its lease."""
         for reg, env, _ in self._in_flight.snapshot():
             self._settle(reg, env, "release", reg.source.now() + reg.lease)
             self._in_flight.pop(reg, env)

@@ -573,7 +573,6 @@ class AsyncWorker(BaseWorker[async_sessionmaker[AsyncSession]]):
             count: int = await greenlet_spawn(self._process_due, limit)
         finally:
             rt.mark_drained()
-            await greenlet_spawn(self._release_in_flight)  # after an error or interruption
             rt.request_stop()
             await asyncio.gather(heartbeat, return_exceptions=True)
         return count

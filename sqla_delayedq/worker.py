@@ -265,6 +265,5 @@ class Worker(BaseWorker[sessionmaker[Session]]):
             return self._process_due(limit)
         finally:
             rt.mark_drained()
-            self._release_in_flight()  # after an error or an interruption: nothing is kept
             rt.request_stop()
             heartbeat.join()

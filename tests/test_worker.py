@@ -580,34 +580,6 @@ def test_on_postgresql_an_interruption_while_a_statement_alone_awaits_its_reply_
         assert q.counts(s).dead == 0 and q.counts(s).pending == 0
 
 
-def test_process_due_gives_back_what_it_took_when_interrupted_before_the_handlers(backend):
-    """Ctrl-C lands in ``process_due`` in a hook, after its take and before any handler: what
-    it took is given back when a lease from now ends (as a stop gives back what is in
-    flight), uncounted. It stayed leased under tokens nobody held, and the end of the lease
-    counted an attempt that no handler made."""
-
-    class Interrupting(RecordingHooks):
-        def lag(self, queue: str, seconds: float) -> None:
-            raise KeyboardInterrupt
-
-    retry = ExponentialBackoff(max_attempts=1, initial=timedelta(hours=1), jitter=0)
-    q: DelayedQueue[Any] = DelayedQueue("interrupted-batch", retry=retry)
-    with backend.Session() as s, s.begin():
-        q.offer_batch(s, [(k, {}) for k in ("a", "b", "c")])
-    runs: list[str] = []
-    worker = Worker(
-        backend.Session, listen=False, keep_statistics=False, batch_size=3, hooks=Interrupting()
-    )
-    worker.register(q, lambda env: runs.append(env.key), mode="lease")
-    with pytest.raises(KeyboardInterrupt):
-        worker.process_due()
-    assert runs == []
-    with backend.Session() as s:
-        infos = [q.get(s, k) for k in ("a", "b", "c")]
-    assert all(i is not None and i.lock_token is None and i.attempts == 0 for i in infos), infos
-    assert {i.state for i in infos if i is not None} == {State.SCHEDULED}
-
-
 def test_a_batch_handler_that_empties_its_list_still_has_every_message_acknowledged(
     backend, make_worker
 ):
