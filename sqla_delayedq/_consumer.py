@@ -32,7 +32,16 @@ from . import _planner, _skew, controls
 from . import _statements as st
 from ._dialects import TAKE_ONLY, Listener, is_transient, strategy_class
 from ._handlers import check_arity, check_transactional, is_cancellation, is_interruption
-from ._leases import BURIED, FUSED, Ahead, LeasedQueue, Polled, TakeUnsure, leases_apart
+from ._leases import (
+    APART,
+    BURIED,
+    FUSED,
+    Ahead,
+    LeasedQueue,
+    Polled,
+    TakeUnsure,
+    leases_apart,
+)
 from ._time import Clock, require_duration, require_lease
 from ._types import Buried, Envelope, NackOutcome, QueueName
 from ._wakeup import Wake
@@ -328,6 +337,10 @@ class Runtime(Protocol):
         then it goes on through the drain, for handlers that run on after the stop request."""
         ...
 
+    def caller(self) -> object:
+        """Who runs the calling code: its thread, or its task on the asyncio runtime."""
+        ...
+
     def generation(self) -> int: ...
     def wait(self, seen: int, timeout: float) -> None:
         """Sleep until ``timeout``, a wake-up since generation ``seen``, or a stop request."""
@@ -479,19 +492,25 @@ class InFlight:
     token (the old one's ack is refused), and neither overwrites the other's entry here.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, caller: Callable[[], object]) -> None:
         self._lock = threading.Lock()
         self._items: dict[tuple[int, int, str], tuple[Registration, Envelope[Any], float]] = {}
+        #: Who added each entry (its thread or task, see ``Runtime.caller``), so that a
+        #: ``process_due`` call gives back what it holds and not what another call holds.
+        self._owners: dict[tuple[int, int, str], object] = {}
+        self._caller = caller
 
     @staticmethod
     def _key(reg: Registration, env: Envelope[Any]) -> tuple[int, int, str]:
         return (id(reg), env.id, env.lock_token)
 
     def add(self, reg: Registration, *envs: Envelope[Any]) -> None:
-        started = time.monotonic()
+        started, owner = time.monotonic(), self._caller()
         with self._lock:
             for env in envs:
-                self._items[self._key(reg, env)] = (reg, env, started)
+                key = self._key(reg, env)
+                self._items[key] = (reg, env, started)
+                self._owners[key] = owner
 
     def replace(self, reg: Registration, env: Envelope[Any]) -> None:
         """An extended lease (same delivery, same token) replaces the entry it extends."""
@@ -507,10 +526,25 @@ class InFlight:
             items, key = self._items, self._key
             return [env if (item := items.get(key(reg, env))) is None else item[1] for env in envs]
 
+    def holds(self, reg: Registration, env: Envelope[Any]) -> bool:
+        with self._lock:
+            return self._key(reg, env) in self._items
+
     def pop(self, reg: Registration, *envs: Envelope[Any]) -> None:
         with self._lock:
             for env in envs:
-                self._items.pop(self._key(reg, env), None)
+                key = self._key(reg, env)
+                self._items.pop(key, None)
+                self._owners.pop(key, None)
+
+    def take_back(self) -> list[tuple[Registration, Envelope[Any]]]:
+        """Remove and return the entries the calling thread or task added."""
+        owner = self._caller()
+        with self._lock:
+            keys = [key for key, by in self._owners.items() if by == owner]
+            for key in keys:
+                del self._owners[key]
+            return [self._items.pop(key)[:2] for key in keys]
 
     def snapshot(self) -> list[tuple[Registration, Envelope[Any], float]]:
         with self._lock:
@@ -581,11 +615,16 @@ class BaseWorker(Generic[S]):
         self._periodic: list[Periodic] = []
         #: When the worker started (``time.time()``), None before.
         self.started_at: float | None = None
-        self._in_flight = InFlight()
+        self._in_flight = InFlight(lambda: self.rt.caller())
         #: Whether the database has the statement that acknowledges and takes (see
         #: :meth:`_ack_fused`); None until a session first says.
         self._fused_ack: bool | None = None
         self._rt: Runtime | None = None
+        #: ``process_due`` calls running at once share one runtime and one heartbeat (see
+        #: :meth:`_due_enter`): each call's own would stop the others' when it returned.
+        self._due_lock = threading.Lock()
+        self._due_calls = 0
+        self._due_beat: Any = None
         self._started = False
         #: ``start``/``run`` was called: a worker starts once.
         self._ran = False
@@ -1074,9 +1113,11 @@ class BaseWorker(Generic[S]):
         take may hold (``taken``: by their lock tokens; ``sent``: a statement with no reply, by
         its prefix and lease end), no handler having run; with ``acks``, acknowledge those
         (their handlers succeeded, and the interrupted statement carried their
-        acknowledgement). One try, in a transaction of its own; a failure is logged. Without
-        it, the rows stayed leased under tokens nobody held, and the end of the lease counted
-        an attempt that no handler made (dead unhandled, with one attempt allowed)."""
+        acknowledgement). Also what a ``process_due`` call that ends on an error or an
+        interruption holds unsettled. One try, in a transaction of its own; a failure is
+        logged. Without it, the rows stayed leased under tokens nobody held, and the end of the
+        lease counted an attempt that no handler made (dead unhandled, with one attempt
+        allowed)."""
         if not (taken or sent or acks):
             return  # the take's transaction never committed: it holds nothing
         source = reg.source
@@ -1585,9 +1626,6 @@ class BaseWorker(Generic[S]):
     def _transactional_once(self, reg: Registration) -> Taken:
         """Take, handle and acknowledge in one transaction (the source's ``process_one``)."""
         rt = self.rt
-        #: A limited queue's lease, committed apart: a rollback of this transaction leaves it.
-        leased: list[Envelope[Any]] = []
-
         #: The message whose handler runs, and a failure that rolled its take back (below).
         handling: list[Envelope[Any]] = []
         bailed: list[BaseException] = []
@@ -1598,17 +1636,25 @@ class BaseWorker(Generic[S]):
             handling.append(envelope)
             if not (envelope.lock_token and leases_apart(session)):
                 return rt.call(reg.handler, envelope, session)  # the row lock holds it
-            leased.append(envelope)
             # A limited queue's take is a lease committed apart: without the heartbeat it runs
             # out under a long handler, and another consumer runs the message beside it.
             self._in_flight.add(reg, envelope)
             try:
-                return rt.call(reg.handler, envelope, session)
-            finally:
-                self._in_flight.pop(reg, envelope)
+                result = rt.call(reg.handler, envelope, session)
+            except BaseException as exc:
+                if not (rt.stopping and is_cancellation(exc)):
+                    self._in_flight.pop(reg, envelope)
+                # else the stop's cancel: still in flight, the stop releases it a lease from
+                # now (its work may go on in a thread), as in lease mode
+                raise
+            self._in_flight.pop(reg, envelope)
+            return result
 
+        s = rt.session()
+        #: A limited queue's leases, committed apart: a rollback of this transaction leaves them.
+        apart: list[Envelope[Any]] = s.info.setdefault(APART, [])
         try:
-            with rt.session() as s, s.begin():
+            with s, s.begin():
                 if rt.stopping:
                     return Taken(0, False, None)
                 started = time.monotonic()
@@ -1620,7 +1666,8 @@ class BaseWorker(Generic[S]):
                     ):
                         # Stop before the rollback makes the message due again (see _consume).
                         bailed.append(exc)
-                        self._fail(exc, f"the handler of {reg.source.name}")
+                        where = "the handler of" if handling else "a take from"
+                        self._fail(exc, f"{where} {reg.source.name}")
                     raise
                 if result is None:  # nothing taken: how long to wait, read in its transaction
                     idle = Taken(0, False, self._idle(s, reg))
@@ -1631,18 +1678,25 @@ class BaseWorker(Generic[S]):
             # apart would otherwise hold it for a whole lease and count a lost attempt. (After
             # a commit that did happen, the release finds no such token and changes nothing.)
             # So is a lease whose own commit failed, if it happened: its handler never ran.
+            leased = list(apart)
             if isinstance(exc, TakeUnsure):
                 leased += self._took(reg, exc.envelopes, exc, "releasing them, uncounted") or []
             for env in leased:
                 self._settle(reg, env, "release")
             raise
-        except BaseException:
+        except BaseException as exc:
             # SystemExit, KeyboardInterrupt, a cancellation of the handler's own: the rollback
             # took the attempt with it. Recorded apart (as a nack records a lease-mode one), or
             # the message is due again at once, uncounted: it stops the next worker too, and
             # never reaches its last attempt.
             if bailed and handling:
                 self._record_bailed(reg, handling[-1], bailed[0])
+            else:
+                # No handler runs any more (one the stop's cancel left running is in flight,
+                # released by the stop): a lease apart goes back at once, uncounted, or its end
+                # counted an attempt that no handler made.
+                free = [e for e in apart if not self._in_flight.holds(reg, e)]
+                self._give_back_interrupted(reg, exc, free)
             raise
         if result is None:
             return idle
@@ -1746,34 +1800,81 @@ class BaseWorker(Generic[S]):
                         raise
                     log.warning("%s: stopping %s failed", self.name, task.name, exc_info=True)
 
-    def _release_in_flight(self) -> None:
+    def _release_in_flight(
+        self, entries: Sequence[tuple[Registration, Envelope[Any]]] | None = None
+    ) -> None:
         """On stop, after the drain: give back what handlers still hold, due when a lease from
         now ends, no attempt counted. Not at once: a thread cannot be killed, so a handler
         still running (on the asyncio worker, one whose work went on in a thread) would run
         beside the consumer that took it next. A handler that outlives that lease too may be
-        redelivered, as any lease-mode handler that outlives its lease."""
-        for reg, env, _ in self._in_flight.snapshot():
+        redelivered, as any lease-mode handler that outlives its lease. ``entries``: those a
+        ``process_due`` call held (taken back already); by default every one in flight."""
+        if entries is None:
+            entries = [(reg, env) for reg, env, _ in self._in_flight.snapshot()]
+        for reg, env in entries:
             self._settle(reg, env, "release", reg.source.now() + reg.lease)
             self._in_flight.pop(reg, env)
 
+    def _due_enter(self, runtime: Callable[[], Runtime], heartbeat: Callable[[], Any]) -> Runtime:
+        """A ``process_due`` call begins: the first of the calls running at once makes the
+        runtime they share (``runtime()``) and starts its heartbeat (``heartbeat()``, kept for
+        the last call to wait for); returns the runtime."""
+        with self._due_lock:
+            if self._due_calls == 0:
+                self._rt = runtime()
+                self._due_beat = heartbeat()
+            self._due_calls += 1
+            return self.rt
+
+    def _due_exit(self) -> Any:
+        """A ``process_due`` call ended: the last of those running at once stops their runtime
+        and gets its heartbeat to wait for; the others get None."""
+        with self._due_lock:
+            self._due_calls -= 1
+            if self._due_calls:
+                return None
+            self.rt.mark_drained()
+            self.rt.request_stop()
+            beat, self._due_beat = self._due_beat, None
+            return beat
+
     def _process_due(self, limit: int | None) -> int:
         """Handle what is due now, on the calling thread or task, until nothing is due (or
-        about ``limit`` rows were handled); returns how many were."""
+        about ``limit`` rows were handled); returns how many were.
+
+        When it ends on an error or an interruption (Ctrl-C in a hook between a take and its
+        handlers), what it took and did not settle is given back, due at once and uncounted:
+        its handlers do not run any more, and the end of the lease would count an attempt.
+        Only this call's: other threads or tasks may run ``process_due`` on the same worker."""
         handled, errors = 0, 0
-        while limit is None or handled < limit:
-            before = handled
-            try:
-                for reg in self._registrations:
-                    handled += self._once(reg).handled
-                    self._raise_failure()
-            except Exception as exc:
-                if not retryable(exc) or errors >= PROCESS_DUE_RETRIES:
-                    raise
-                errors += 1
-                self._db_error(exc)
-                self.rt.sleep(backoff(errors))
-                continue
-            errors = 0
-            if handled == before:
-                break
+        try:
+            while limit is None or handled < limit:
+                before = handled
+                try:
+                    for reg in self._registrations:
+                        handled += self._once(reg).handled
+                        self._raise_failure()
+                except Exception as exc:
+                    if not retryable(exc) or errors >= PROCESS_DUE_RETRIES:
+                        raise
+                    errors += 1
+                    self._db_error(exc)
+                    self.rt.sleep(backoff(errors))
+                    continue
+                errors = 0
+                if handled == before:
+                    break
+        except BaseException as exc:
+            own = self._in_flight.take_back()
+            if self.rt.stopping and is_cancellation(exc):
+                # A handler the cancellation left running (its work in a thread) would run
+                # beside the consumer that took its message next: given back as a stop does.
+                self._release_in_flight(own)
+                raise
+            held: dict[int, tuple[Registration, list[Envelope[Any]]]] = {}
+            for reg, env in own:
+                held.setdefault(id(reg), (reg, []))[1].append(env)
+            for reg, envs in held.values():
+                self._give_back_interrupted(reg, exc, envs)
+            raise
         return handled

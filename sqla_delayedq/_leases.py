@@ -49,6 +49,7 @@ T = TypeVar("T")
 log = logging.getLogger("sqla_delayedq.worker")
 
 __all__ = [
+    "APART",
     "BURIED",
     "FUSED",
     "UNSEEN",
@@ -87,6 +88,11 @@ FUSED = "sqla_delayedq.fused"
 #: :class:`~sqla_delayedq.Buried`. A worker reports them to its hooks once that transaction
 #: committed (a rollback put them back as they were).
 BURIED = "sqla_delayedq.buried"
+
+#: ``Session.info`` key: the leases a transactional take of a limited queue committed apart
+#: (see :meth:`LeasedQueue._limited_take`), for the caller to give back if its transaction
+#: fails before their handler settles them: the caller's rollback leaves them.
+APART = "sqla_delayedq.apart"
 
 
 def log_buried(session: Session, queue: str, key: Any, error: str) -> None:
@@ -476,6 +482,7 @@ class LeasedQueue(abc.ABC, Generic[T]):
             if taken and is_transient(exc):  # it failed at its commit, which may have happened
                 raise TakeUnsure(self.name, taken) from exc
             raise
+        session.info.setdefault(APART, []).extend(taken)
         return [self._adopt(session, e) for e in taken]
 
     @transient_as_ours

@@ -59,6 +59,7 @@ from ._types import (
 )
 from ._wakeup import subscribe
 from .controls import UNSET, QueueControls
+from .errors import InvalidArgument
 
 __all__ = [
     "AsyncHandler",
@@ -424,6 +425,9 @@ class AsyncRuntime:
         if not self._stopped.done():
             await asyncio.wait([self._stopped], timeout=seconds)
 
+    def caller(self) -> object:
+        return asyncio.current_task(self.loop)
+
     def generation(self) -> int:
         return self._generation
 
@@ -566,13 +570,21 @@ class AsyncWorker(BaseWorker[async_sessionmaker[AsyncSession]]):
         """Handle what is due now, on this task, and return how many were handled (see
         :meth:`Worker.process_due <sqla_delayedq.worker.Worker.process_due>`)."""
         self._check_startable()
-        rt = self._rt = AsyncRuntime(asyncio.get_running_loop(), self.sessions)
+        loop = asyncio.get_running_loop()
         # Lease-mode handlers that outlive half a lease need it extended here too.
-        heartbeat = asyncio.create_task(greenlet_spawn(self._heartbeat))
+        rt = self._due_enter(
+            lambda: AsyncRuntime(loop, self.sessions),
+            lambda: asyncio.create_task(greenlet_spawn(self._heartbeat)),
+        )
         try:
+            if not isinstance(rt, AsyncRuntime) or rt.loop is not loop:
+                raise InvalidArgument(
+                    f"{self.name}: process_due runs on another event loop; calls that run at "
+                    "once share one loop"
+                )
             count: int = await greenlet_spawn(self._process_due, limit)
         finally:
-            rt.mark_drained()
-            rt.request_stop()
-            await asyncio.gather(heartbeat, return_exceptions=True)
+            beat = self._due_exit()
+            if beat is not None:
+                await asyncio.gather(beat, return_exceptions=True)
         return count

@@ -99,6 +99,9 @@ class ThreadRuntime:
     def mark_drained(self) -> None:
         self._drained = True
 
+    def caller(self) -> object:
+        return threading.get_ident()
+
     def generation(self) -> int:
         with self._lock:
             return self._generation
@@ -257,13 +260,17 @@ class Worker(BaseWorker[sessionmaker[Session]]):
         stops after about that many messages.
         """
         self._check_startable()
-        rt = self._rt = ThreadRuntime(self.sessions)
-        # Lease-mode handlers that outlive half a lease need it extended here too.
-        heartbeat = threading.Thread(target=self._heartbeat, name=f"{self.name}-hb", daemon=True)
-        heartbeat.start()
+
+        def heartbeat() -> threading.Thread:
+            # Lease-mode handlers that outlive half a lease need it extended here too.
+            beat = threading.Thread(target=self._heartbeat, name=f"{self.name}-hb", daemon=True)
+            beat.start()
+            return beat
+
+        self._due_enter(lambda: ThreadRuntime(self.sessions), heartbeat)
         try:
             return self._process_due(limit)
         finally:
-            rt.mark_drained()
-            rt.request_stop()
-            heartbeat.join()
+            beat = self._due_exit()
+            if beat is not None:
+                beat.join()

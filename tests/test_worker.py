@@ -31,6 +31,7 @@ from sqla_delayedq import (
     ExponentialBackoff,
     HandlerMisuse,
     InvalidArgument,
+    MessageInfo,
     NackOutcome,
     State,
     TransientError,
@@ -531,6 +532,273 @@ def test_an_interruption_after_a_take_committed_gives_back_what_it_took(
     assert info is not None and info.state is State.DUE and info.lock_token is None
     assert info.attempts == 0
     assert worker.process_due() == 1 and handled == ["m"]
+
+
+def test_an_interruption_in_a_hook_before_the_handlers_gives_back_what_the_take_holds(
+    backend, make_worker
+):
+    """Ctrl-C lands in ``process_due`` in a hook that runs once the take's messages are in
+    flight, before their handlers: every message the take holds is given back at once,
+    unhandled and uncounted, and the next call handles each once. They stayed leased under
+    tokens nobody held (only a running worker's stop gave back what was in flight), and the
+    end of the lease counted an attempt that no handler made: with one attempt allowed, they
+    died unhandled."""
+    fired: list[str] = []
+
+    class InterruptOnce(WorkerHooks):
+        def lag(self, queue: str, seconds: float) -> None:
+            if not fired:
+                fired.append(queue)
+                raise KeyboardInterrupt  # a hook's other errors are logged and swallowed
+
+    retry = ExponentialBackoff(max_attempts=1, initial=timedelta(hours=1), jitter=0)
+    q: DelayedQueue[Any] = DelayedQueue("interrupted-hook", retry=retry)
+    with backend.Session.begin() as s:
+        q.offer_batch(s, [(f"k{i}", {}) for i in range(3)])
+    handled: list[str] = []
+    worker = make_worker(
+        backend, listen=False, keep_statistics=False, batch_size=3, hooks=InterruptOnce()
+    )
+    worker.register(q, lambda env: handled.append(env.key), mode="lease")
+    with pytest.raises(KeyboardInterrupt):
+        worker.process_due()
+    assert fired and handled == []
+    assert getattr(worker, "worker", worker).in_flight == 0
+    with backend.Session() as s:
+        infos = [q.get(s, f"k{i}") for i in range(3)]
+    assert all(i is not None and i.state is State.DUE and i.lock_token is None for i in infos)
+    assert [i.attempts for i in infos if i is not None] == [0, 0, 0]
+    assert worker.process_due() == 3 and sorted(handled) == ["k0", "k1", "k2"]
+
+
+def test_an_interrupted_process_due_gives_back_only_what_its_own_call_holds(backend):
+    """Two threads run ``process_due`` on one worker; Ctrl-C in the first's hook gives back
+    what the first took, and the message the second's handler is running stays leased to it
+    (its acknowledgement is not refused, and it is handled once)."""
+    running_b, go = threading.Event(), threading.Event()
+    handled: list[str] = []
+    fired: list[str] = []
+
+    class InterruptMain(WorkerHooks):
+        def lag(self, queue: str, seconds: float) -> None:
+            if threading.current_thread() is threading.main_thread() and not fired:
+                fired.append(queue)
+                raise KeyboardInterrupt
+
+    def handler(env: Envelope[Any]) -> None:
+        if env.key == "b":
+            running_b.set()
+            assert go.wait(20)
+        handled.append(env.key)
+
+    q: DelayedQueue[Any] = DelayedQueue("two-calls")
+    offer(backend, q, "b")
+    worker = Worker(backend.Session, listen=False, keep_statistics=False, hooks=InterruptMain())
+    worker.register(q, handler, mode="lease")
+    counts: list[int] = []
+    other = threading.Thread(target=lambda: counts.append(worker.process_due(limit=1)))
+    other.start()
+    try:
+        assert running_b.wait(20)
+        offer(backend, q, "a")
+        with pytest.raises(KeyboardInterrupt):
+            worker.process_due()
+        assert fired
+        with backend.Session() as s:
+            a, b = q.get(s, "a"), q.get(s, "b")
+        assert a is not None and a.state is State.DUE and a.lock_token is None
+        assert a.attempts == 0
+        assert b is not None and b.lock_token is not None  # still the other call's
+    finally:
+        go.set()
+        other.join(20)
+    assert counts == [1] and handled == ["b"]
+    assert worker.process_due() == 1 and handled == ["b", "a"]
+    assert pending(backend, q) == 0
+
+
+def test_a_process_due_call_that_returns_leaves_the_others_running_on_one_worker(backend):
+    """Two threads run ``process_due`` on one worker; the second returns while the first
+    still handles a message: the first goes on handling what is offered next. Each call had
+    its own runtime, the last one made was the worker's, and the call that returned stopped
+    it under the other: the other's takes then released every message unhandled, counted it
+    as handled, and (without a limit) took it again for ever."""
+    running_m1, go = threading.Event(), threading.Event()
+    handled: list[str] = []
+
+    def handler(env: Envelope[Any]) -> None:
+        if env.key == "m1":
+            running_m1.set()
+            assert go.wait(20)
+        handled.append(env.key)
+
+    q: DelayedQueue[Any] = DelayedQueue("side-by-side")
+    offer(backend, q, "m1")
+    worker = Worker(backend.Session, listen=False, keep_statistics=False)
+    worker.register(q, handler, mode="lease")
+    counts: list[int] = []
+    first = threading.Thread(target=lambda: counts.append(worker.process_due()))
+    first.start()
+    try:
+        assert running_m1.wait(20)
+        assert worker.process_due() == 0  # m1 is the first call's
+        with backend.Session.begin() as s:
+            q.offer_batch(s, [("m2", {}), ("m3", {})])
+    finally:
+        go.set()
+        first.join(20)
+    assert not first.is_alive()
+    assert counts == [3] and handled == ["m1", "m2", "m3"]
+    assert pending(backend, q) == 0
+
+
+def test_a_cancelled_asyncio_process_due_gives_back_a_running_handlers_message_a_lease_later(
+    backend,
+):
+    """``AsyncWorker.process_due`` is cancelled (a timeout) while a handler's work goes on in
+    a thread, which a cancellation cannot stop: its message is given back due a lease from
+    now, uncounted, as a stop gives it back, and no other consumer runs it beside that
+    handler. Given back due at once, a consumer polling took it and ran it twice at once."""
+    done = threading.Event()
+    runs: list[str] = []
+
+    def slow(env: Envelope[Any]) -> None:
+        runs.append(env.key)
+        done.wait(20)
+
+    lease = timedelta(minutes=5)
+    q: DelayedQueue[Any] = DelayedQueue("cancelled-due", lease=lease)
+    offer(backend, q, "m")
+    runner = AsyncRunner(backend, listen=False, keep_statistics=False)
+    runner.register(q, slow, mode="lease")  # a plain function: its work runs in a thread
+
+    async def cut_short() -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(runner.worker.process_due(), 0.5)
+        await runner.engine.dispose()
+
+    try:
+        before = datetime.now(timezone.utc)
+        asyncio.run(cut_short())
+        assert runs == ["m"]
+        other = Worker(backend.Session, listen=False, keep_statistics=False)
+        other.register(q, lambda env: runs.append(env.key), mode="lease")
+        assert other.process_due() == 0 and runs == ["m"]
+        with backend.Session() as s:
+            info = q.get(s, "m")
+        assert info is not None and info.lock_token is None and info.attempts == 0
+        assert info.scheduled_at is not None and info.scheduled_at >= before + lease
+    finally:
+        done.set()
+
+
+def limited_queue(backend: Any, name: str, lease: timedelta) -> DelayedQueue[Any]:
+    """A queue with one attempt allowed, a limit (its transactional take is a lease committed
+    apart, on a server) and one message ``m``."""
+    retry = ExponentialBackoff(max_attempts=1, initial=timedelta(hours=1), jitter=0)
+    q: DelayedQueue[Any] = DelayedQueue(name, retry=retry, lease=lease)
+    with backend.Session.begin() as s:
+        q.set_limits(s, max_in_flight=5)
+    offer(backend, q, "m")
+    return q
+
+
+def given_back_uncounted(backend: Any, q: DelayedQueue[Any]) -> MessageInfo:
+    with backend.Session() as s:
+        info = q.get(s, "m")
+    assert info is not None and info.lock_token is None and info.attempts == 0
+    return info
+
+
+def test_on_a_limited_queue_an_interruption_before_a_transactional_handler_gives_back_its_lease(
+    server_backend, make_worker
+):
+    """Ctrl-C lands in a hook after a limited queue's transactional take committed its lease
+    apart, before the handler: the lease is given back at once, uncounted. The rollback of the
+    handler's transaction left it, and the end of the lease counted an attempt that no handler
+    made: with one attempt allowed, the message died unhandled."""
+    fired: list[str] = []
+
+    class InterruptOnce(WorkerHooks):
+        def lag(self, queue: str, seconds: float) -> None:
+            if not fired:
+                fired.append(queue)
+                raise KeyboardInterrupt
+
+    q = limited_queue(server_backend, "limited-interrupted", timedelta(minutes=5))
+    handled: list[str] = []
+    worker = make_worker(server_backend, listen=False, keep_statistics=False, hooks=InterruptOnce())
+    worker.register(q, lambda env, s: handled.append(env.key), mode="transactional")
+    with pytest.raises(KeyboardInterrupt):
+        worker.process_due()
+    assert fired and handled == []
+    assert given_back_uncounted(server_backend, q).state is State.DUE
+    worker = make_worker(server_backend, listen=False, keep_statistics=False)
+    worker.register(q, lambda env, s: handled.append(env.key), mode="transactional")
+    assert worker.process_due() == 1 and handled == ["m"]
+
+
+def test_on_a_limited_queue_a_transaction_lost_before_its_handler_gives_back_its_lease(
+    server_backend, monkeypatch
+):
+    """The connection of a limited queue's transactional take is lost after its lease was
+    committed apart, before the handler ran (at the handler's savepoint): the lease is given
+    back at once, uncounted, and the next take handles the message. It stayed leased under a
+    token nobody held, and its end counted an attempt no handler made (dead, unhandled)."""
+    from sqla_delayedq import _handlers, _leases
+
+    real = _handlers.run_in_savepoint
+    fired: list[str] = []
+
+    def lost_at_savepoint(session: Session, handler: Any, envelope: Any) -> Any:
+        if not fired:
+            fired.append(envelope.key)
+            raise sa.exc.OperationalError(
+                "SAVEPOINT sa_savepoint_1",
+                {},
+                Exception("server closed the connection unexpectedly"),
+                connection_invalidated=True,
+            )
+        return real(session, handler, envelope)
+
+    monkeypatch.setattr(_leases, "run_in_savepoint", lost_at_savepoint)
+    q = limited_queue(server_backend, "limited-lost", timedelta(minutes=5))
+    handled: list[str] = []
+    worker = Worker(server_backend.Session, listen=False, keep_statistics=False)
+    worker.register(q, lambda env, s: handled.append(env.key), mode="transactional")
+    assert worker.process_due() == 1  # the lost transaction is retried, as a take's is
+    assert fired == ["m"] and handled == ["m"]
+    assert pending(server_backend, q) == 0
+
+
+def test_on_a_limited_queue_a_stop_that_cancels_a_transactional_handler_gives_back_its_lease(
+    server_backend,
+):
+    """The asyncio worker's stop cancels a limited queue's transactional handler when its
+    drain times out: the lease committed apart is given back uncounted, a lease from now (as
+    in lease mode), and the next take handles the message. The handler's end took it out of
+    what is in flight before the stop released that: it stayed leased under a token nobody
+    held, and the end of the lease counted an attempt (dead, with one allowed)."""
+    started: list[str] = []
+
+    async def sleepy(env: Envelope[Any], session: Any) -> None:
+        started.append(env.key)
+        await asyncio.sleep(30)
+
+    lease = timedelta(minutes=5)
+    q = limited_queue(server_backend, "limited-stopped", lease)
+    runner = AsyncRunner(
+        server_backend, concurrency=1, poll_interval=0.1, listen=False, keep_statistics=False
+    )
+    runner.worker.register(q, sleepy, mode="transactional")
+    before = datetime.now(timezone.utc)
+    runner.start()
+    try:
+        assert wait_for(lambda: started == ["m"], 15)
+    finally:
+        assert runner.stop(0.3) is False  # its handler was cancelled
+    info = given_back_uncounted(server_backend, q)
+    assert info.scheduled_at is not None and info.scheduled_at >= before + lease
 
 
 @pytest.mark.parametrize("statement", ["take", "ack and take"])
