@@ -240,9 +240,14 @@ class AsyncQueue(Generic[T]):
         return await session.run_sync(lambda s: self.queue.release(s, envelope, at=at))
 
     async def extend(
-        self, session: AsyncSession, envelope: Envelope[T], lease: timedelta | None = None
+        self,
+        session: AsyncSession,
+        envelope: Envelope[T],
+        lease: timedelta | None = None,
+        *,
+        wait: bool = True,
     ) -> Envelope[T] | None:
-        return await session.run_sync(lambda s: self.queue.extend(s, envelope, lease))
+        return await session.run_sync(lambda s: self.queue.extend(s, envelope, lease, wait=wait))
 
     # -- read side -------------------------------------------------------------------------
 
