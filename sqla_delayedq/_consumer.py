@@ -292,12 +292,7 @@ class Source(Protocol):
         at: datetime | None = None,
     ) -> NackOutcome: ...
     def extend(
-        self,
-        session: Session,
-        envelope: Envelope[Any],
-        lease: timedelta | None = None,
-        *,
-        wait: bool = True,
+        self, session: Session, envelope: Envelope[Any], lease: timedelta | None = None
     ) -> Envelope[Any] | None: ...
     def process_next(
         self, session: Session, handler: Callable[[Envelope[Any], Session], Any]
@@ -1763,7 +1758,7 @@ class BaseWorker(Generic[S]):
                     continue  # hung: let the lease run out so another consumer retries it
                 try:
                     with rt.session() as s, s.begin():
-                        longer = reg.source.extend(s, env, reg.lease, wait=False)
+                        longer = reg.source.extend(s, env, reg.lease)
                 except Exception as exc:
                     if not retryable(exc):
                         self._fail(exc, "the lease heartbeat")

@@ -729,27 +729,10 @@ class LeasedQueue(abc.ABC, Generic[T]):
 
     @transient_as_ours
     def extend(
-        self,
-        session: Session,
-        envelope: Envelope[T],
-        lease: timedelta | None = None,
-        *,
-        wait: bool = True,
+        self, session: Session, envelope: Envelope[T], lease: timedelta | None = None
     ) -> Envelope[T] | None:
-        """Lengthen a lease to ``now + lease``; None when the lease was already lost.
-
-        ``wait=False`` (a worker's heartbeat): when another transaction holds the row's lock
-        (a handler's own, which changed its entity), extend nothing and return ``envelope`` as
-        it is, to try again later; that lock keeps other consumers off the row meanwhile.
-        Waiting held up every other lease the heartbeat keeps, which ran out under handlers
-        still running. SQLite, with no row locks, always waits."""
+        """Lengthen a lease to ``now + lease``; None when the lease was already lost."""
         lease = self.lease if lease is None else require_lease(lease)
-        if not wait and strategy_for(session).poll_lock is not None:
-            stmt = self._settles.get("lock_if_free")
-            if stmt is None:
-                stmt = self._settles["lock_if_free"] = st.lock_if_free(self.shape)
-            if session.execute(stmt, {"s_id": envelope.id}).first() is None:
-                return envelope
         until = self.now() + lease
         extended = self._settle(
             session,

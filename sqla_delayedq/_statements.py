@@ -857,12 +857,6 @@ def settle_plan(shape: Shape, name: SettleName) -> dict[Any, Any]:
     return plan
 
 
-def lock_if_free(shape: Shape) -> Select[Any]:
-    """The row ``:s_id`` locked, or no row when another transaction holds its lock (see
-    ``LeasedQueue.extend``'s ``wait``)."""
-    return select(shape.id).where(shape.id == bindparam("s_id")).with_for_update(skip_locked=True)
-
-
 def settle(shape: Shape, name: SettleName) -> Delete | Update:
     """A settle statement guarded by (id, lock token), built once per table, with named
     parameters ``s_id`` and ``s_token`` plus those of :func:`settle_plan`. Building it once

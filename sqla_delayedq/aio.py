@@ -240,14 +240,9 @@ class AsyncQueue(Generic[T]):
         return await session.run_sync(lambda s: self.queue.release(s, envelope, at=at))
 
     async def extend(
-        self,
-        session: AsyncSession,
-        envelope: Envelope[T],
-        lease: timedelta | None = None,
-        *,
-        wait: bool = True,
+        self, session: AsyncSession, envelope: Envelope[T], lease: timedelta | None = None
     ) -> Envelope[T] | None:
-        return await session.run_sync(lambda s: self.queue.extend(s, envelope, lease, wait=wait))
+        return await session.run_sync(lambda s: self.queue.extend(s, envelope, lease))
 
     # -- read side -------------------------------------------------------------------------
 

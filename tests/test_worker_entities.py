@@ -27,7 +27,6 @@ from sqla_delayedq import (
     Envelope,
     ExponentialBackoff,
 )
-from sqla_delayedq.worker import Worker
 from tests.entity_app.models import Base, Order
 from tests.fix_db import Backend
 from tests.fix_workers import losing_a_commit_reply, running, stopped_by
@@ -42,15 +41,6 @@ def db(backend: Backend) -> Iterator[Backend]:
     Base.metadata.create_all(backend.engine)
     yield backend
     Base.metadata.drop_all(backend.engine)
-
-
-@pytest.fixture
-def server_db(server_backend: Backend) -> Iterator[Backend]:
-    server_backend.engine.dispose()
-    Base.metadata.drop_all(server_backend.engine)
-    Base.metadata.create_all(server_backend.engine)
-    yield server_backend
-    Base.metadata.drop_all(server_backend.engine)
 
 
 def add_scheduled(db: Backend, queue: EntityQueue[Order], n: int) -> list[int]:
@@ -328,36 +318,3 @@ def test_a_transactional_entity_handler_raising_a_base_exception_counts_its_atte
         assert order.queue_lock_token is None  # not held by a lease
         assert order.queue_next_attempt_at is not None  # scheduled for its retry
         assert "SystemExit" in (order.queue_last_error or "")
-
-
-def test_a_handler_holding_its_entity_row_lock_holds_up_no_other_lease(server_db):
-    """A limited entity queue's transactional handler changes its entity and flushes: its
-    transaction holds that row's lock until it ends. The heartbeat waited for that lock to
-    extend the row's lease, and extended no other lease meanwhile: the other handler's lease
-    ran out while it ran, and a second worker ran that entity beside it. Now the heartbeat
-    passes over a row another transaction holds (that lock keeps other consumers off it) and
-    extends the rest; each entity starts once."""
-    queue = EntityQueue(Order, lease=timedelta(seconds=1))
-    with server_db.Session.begin() as s:
-        queue.set_limits(s, max_in_flight=10)
-    ids = add_scheduled(server_db, queue, 2)
-    starts: list[int] = []
-
-    def handler(envelope: Envelope[Order], session: Session) -> None:
-        starts.append(envelope.payload.id)
-        if envelope.payload.id == ids[0]:
-            envelope.payload.charge_count += 1
-            session.flush()  # its row is locked until the transaction ends
-        time.sleep(3.0)  # three leases
-
-    options: dict[str, Any] = {"listen": False, "keep_statistics": False, "poll_interval": 0.1}
-    first = Worker(server_db.Session, concurrency=2, **options)
-    second = Worker(server_db.Session, concurrency=1, **options)
-    for worker in (first, second):
-        worker.register(queue, handler, mode="transactional")
-    with running(first):
-        assert wait_for(lambda: len(starts) == 2, 10)
-        time.sleep(1.2)  # past the end of the first leases
-        with running(second):
-            assert wait_for(lambda: counts(server_db, queue).succeeded == 2, 15)
-    assert sorted(starts) == sorted(ids)
