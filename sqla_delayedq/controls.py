@@ -378,7 +378,11 @@ def change(
         values["max_in_flight"] = _check_limit(max_in_flight, "max_in_flight")
     if rate is not UNSET:
         values["rate_limit"], values["rate_period"] = _check_rate(rate)
-        values["rate_log"] = None
+        if rate is None:
+            # Only a rate removed forgets its takes: a rate set again (the same, by a deploy
+            # run twice, or another) still counts those of its new period, or the takes of one
+            # period went past its limit.
+            values["rate_log"] = None
     where = (t.c.table_name == table, t.c.queue == queue)
     if not _guarded(session, lambda: affected(session, update(t).where(*where).values(values))):
         try:

@@ -130,6 +130,29 @@ def test_the_rate_limit_counts_takes_in_a_sliding_window(backend, make_queue, cl
     assert poll(backend, q, 10) == []
 
 
+def test_a_rate_set_again_still_counts_the_takes_of_its_period(backend, make_queue, clock):
+    """The same rate applied again (a deploy step run twice), or another, keeps the takes of
+    the window: it was forgotten, and four takes fell in one period of a limit of two. Only
+    removing the rate forgets them (found in review)."""
+    q = make_queue("rated-again")
+    with backend.Session() as s, s.begin():
+        q.set_limits(s, rate=(2, timedelta(seconds=10)))
+    offer_many(backend, q, 10)
+    assert len(poll(backend, q, 10)) == 2
+    with backend.Session() as s, s.begin():
+        q.set_limits(s, rate=(2, timedelta(seconds=10)))
+    assert poll(backend, q, 10) == []
+    with backend.Session() as s, s.begin():
+        q.set_limits(s, rate=(3, timedelta(seconds=20)))
+    assert len(poll(backend, q, 10)) == 1  # two of three already taken in its period
+    clock.advance(timedelta(seconds=21))
+    assert len(poll(backend, q, 10)) == 3
+    with backend.Session() as s, s.begin():
+        q.set_limits(s, rate=None)
+        q.set_limits(s, rate=(3, timedelta(seconds=20)))
+    assert len(poll(backend, q, 10)) == 3  # removed, then set: a new window
+
+
 def test_a_take_capped_by_a_limit_says_when_to_come_back(backend, make_queue):
     q = make_queue("held")
     with backend.Session() as s, s.begin():
