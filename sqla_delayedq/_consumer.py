@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Generic, Literal, NamedTuple, Protocol, TypeVar, cast
 
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
 
 from . import _planner, _skew, controls
@@ -44,7 +45,7 @@ from ._leases import (
 )
 from ._time import Clock, require_duration, require_lease
 from ._types import Buried, Envelope, NackOutcome, QueueName
-from ._wakeup import Wake
+from ._wakeup import Wake, sent_alone
 from .errors import InvalidArgument, WorkerError
 
 if TYPE_CHECKING:
@@ -384,8 +385,46 @@ FAILED_RETRY = 0.05
 CHAIN_LIMIT = 10
 
 
-#: The execution options of a connection whose statements commit on their own.
-AUTOCOMMIT = {"isolation_level": "AUTOCOMMIT"}
+class AloneSession:
+    """What the statements that commit on their own (:meth:`BaseWorker._take_alone`,
+    ``_ack_alone``, ``_ack_fused``) use of a Session, over one pooled connection in autocommit
+    mode: ``execute``, ``info``, ``get_bind``, ``connection``, and ``commit``, which commits
+    nothing (each statement did) but sends what they announced, as a Session's commit does
+    (``NOTIFY``, this process's wake-ups). A Session's own transaction bookkeeping cost about
+    a third of such a statement's client CPU (``docs/benchmarks.md``)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.info: dict[Any, Any] = {}
+        self._engine = engine
+        self._conn: Connection | None = None
+
+    def connection(self) -> Connection:
+        """Connected at first use, as a Session does: a lost database fails the statement
+        inside its caller's error handling, not the making of this object."""
+        if self._conn is None:
+            # Its engine stays the sessions' own, by which this process's picture of the
+            # queue controls is kept (see controls.known); the pool resets the level on return.
+            self._conn = self._engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        return self._conn
+
+    def execute(self, statement: Any, params: Any = None) -> Any:
+        return self.connection().execute(statement, params)
+
+    def get_bind(self) -> Connection:
+        return self.connection()
+
+    def commit(self) -> None:
+        sent_alone(cast(Session, self))
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+
+    def __enter__(self) -> Session:
+        return cast(Session, self)
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class Taken(NamedTuple):
@@ -619,6 +658,8 @@ class BaseWorker(Generic[S]):
         #: Whether the database has the statement that acknowledges and takes (see
         #: :meth:`_ack_fused`); None until a session first says.
         self._fused_ack: bool | None = None
+        #: The sessions' engine, once known (see ``_autocommit_session``).
+        self._alone_engine: Engine | None = None
         self._rt: Runtime | None = None
         #: ``process_due`` calls running at once share one runtime and one heartbeat (see
         #: :meth:`_due_enter`): each call's own would stop the others' when it returned.
@@ -1056,12 +1097,11 @@ class BaseWorker(Generic[S]):
         polled: Polled[Any] | None = None
         try:
             with s:
-                s.connection(execution_options=AUTOCOMMIT)
                 s.info[TAKE_ONLY] = True  # its commit need not wait for the WAL flush
                 polled = reg.source.poll_alone(s, n, reg.lease)
                 if polled is None:
                     return None
-                s.commit()  # ends SQLAlchemy's transaction object: the statements committed
+                s.commit()  # the statements committed: sends what they announced
         except Exception as exc:
             if polled is not None:  # it returned, so its statements committed: deliver them
                 self.hooks.db_error(exc)
@@ -1149,18 +1189,22 @@ class BaseWorker(Generic[S]):
             )
 
     def _autocommit_session(self) -> Session | None:
-        """A new session for statements that commit on their own (to connect with
-        :data:`AUTOCOMMIT`), where the database gains by them (see ``Strategy.fused_ack``:
-        asked of the first session, then known); None elsewhere."""
-        if self._fused_ack is False:
-            return None
-        s = self.rt.session()
-        if self._fused_ack is None:
-            self._fused_ack = strategy_class(s.get_bind().dialect).fused_ack
-        if not self._fused_ack:
-            s.close()
-            return None
-        return s
+        """An :class:`AloneSession` for statements that commit on their own, where the
+        database gains by them (see ``Strategy.fused_ack``: asked of the sessions' engine
+        once, then known); None elsewhere (a sessionmaker bound to a connection, whose
+        transaction they would step out of)."""
+        engine = self._alone_engine
+        if engine is None:
+            if self._fused_ack is False:
+                return None
+            with self.rt.session() as s:
+                bind = s.get_bind()
+            if not isinstance(bind, Engine) or not strategy_class(bind.dialect).fused_ack:
+                self._fused_ack = False
+                return None
+            self._fused_ack = True
+            engine = self._alone_engine = bind
+        return cast(Session, AloneSession(engine))
 
     def _report_buried(self, reg: Registration, s: Session) -> None:
         """After ``s`` committed: tell the hooks of each message its takes buried (see
@@ -1429,9 +1473,8 @@ class BaseWorker(Generic[S]):
         acked: bool | None = None
         try:
             with s:
-                s.connection(execution_options=AUTOCOMMIT)
                 acked = reg.source.ack_alone(s, env)
-                s.commit()  # ends SQLAlchemy's transaction object: the statement committed
+                s.commit()  # the statement committed: sends what it announced
         except Exception as exc:
             if acked is not None:  # it returned, so it committed: a failure after it is moot
                 self.hooks.db_error(exc)
@@ -1463,11 +1506,10 @@ class BaseWorker(Generic[S]):
             return None
         try:
             with s:
-                s.connection(execution_options=AUTOCOMMIT)
                 got = reg.source.ack_and_poll(s, env, then, reg.lease)
                 if got is None:
                     return None
-                s.commit()  # ends SQLAlchemy's transaction object: the statement committed
+                s.commit()  # the statement committed: sends what it announced
         except Exception as exc:
             if got is None:
                 return self._unfused(reg, env, s.info.get(FUSED), exc)

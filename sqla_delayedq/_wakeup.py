@@ -169,6 +169,14 @@ def committed(table: str, queue: str, count: int) -> None:
     _wake({(table, queue): [None, count, count, False, None]})
 
 
+def sent_alone(session: Session) -> None:
+    """After statements that committed on their own, outside a Session's transaction (see
+    ``_consumer.AloneSession``): send and wake what they announced, as a Session's commit does
+    through the events here."""
+    _send_notify(session)
+    _wake_local(session)
+
+
 @event.listens_for(Session, "after_commit")
 def _wake_local(session: Session) -> None:
     pending: dict[tuple[str, str], list[Any]] | None = session.info.pop(PENDING, None)

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import sqlalchemy as sa
@@ -163,6 +163,8 @@ def losing_a_commit_reply(which: Callable[[Session], bool]) -> Iterator[list[boo
     """Lose the reply of the next commit ``which`` picks once armed (append True to the list
     yielded): the commit happens, then the error a dropped connection raises is injected. Not
     a savepoint's release (the controls are read in one), which fires the event too."""
+    from sqla_delayedq._consumer import AloneSession
+
     armed: list[bool] = []
 
     def lose_the_reply(session: Session) -> None:
@@ -171,8 +173,19 @@ def losing_a_commit_reply(which: Callable[[Session], bool]) -> Iterator[list[boo
         if armed and which(session) and armed.pop():
             raise TransientError("injected: the connection was lost after COMMIT")
 
+    # Statements that commit on their own run on an AloneSession, whose commit only sends what
+    # they announced: the reply lost there is a failure after the statement returned.
+    real_commit = AloneSession.commit
+
+    def commit_alone(self: AloneSession) -> None:
+        real_commit(self)
+        if armed and which(cast(Session, self)) and armed.pop():
+            raise TransientError("injected: the connection was lost after the statement")
+
     sa.event.listen(Session, "after_commit", lose_the_reply)
+    AloneSession.commit = commit_alone  # type: ignore[method-assign]
     try:
         yield armed
     finally:
         sa.event.remove(Session, "after_commit", lose_the_reply)
+        AloneSession.commit = real_commit  # type: ignore[method-assign]

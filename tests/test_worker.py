@@ -815,6 +815,7 @@ def test_on_postgresql_an_interruption_while_a_statement_alone_awaits_its_reply_
     from sqla_delayedq import controls
 
     monkeypatch.setattr(controls, "REFRESH", 600.0)  # the picture of the controls stays fresh
+    monkeypatch.setattr(controls, "MIN_REFRESH", 600.0)  # a worker's keep_fresh too
     name = "claim" if statement == "take" else "ack_and_claim"
     real = getattr(PostgreSQLStrategy, name)
     fired = threading.Event()
@@ -2336,7 +2337,8 @@ def test_a_lease_worker_relaxes_its_takes_commits_and_not_its_acks(pg):
 
 @contextlib.contextmanager
 def counting_commits(worker: Any, backend: Any) -> Iterator[list[int]]:
-    """A list that grows by one per commit on the engine the worker's sessions use."""
+    """A list that grows by one per commit on the engine the worker's sessions use, and by
+    one per statement that commits on its own (an autocommit connection's)."""
     engine = getattr(worker, "engine", None)
     engine = backend.engine if engine is None else engine.sync_engine
     commits: list[int] = []
@@ -2344,11 +2346,17 @@ def counting_commits(worker: Any, backend: Any) -> Iterator[list[int]]:
     def on_commit(conn: Any) -> None:
         commits.append(1)
 
+    def on_execute(conn: Any, *args: Any) -> None:
+        if conn.get_execution_options().get("isolation_level") == "AUTOCOMMIT":
+            commits.append(1)
+
     sa.event.listen(engine, "commit", on_commit)
+    sa.event.listen(engine, "after_execute", on_execute)
     try:
         yield commits
     finally:
         sa.event.remove(engine, "commit", on_commit)
+        sa.event.remove(engine, "after_execute", on_execute)
 
 
 @pytest.mark.parametrize("form", ["one", "batch_size", "batch_handler"])
@@ -2436,6 +2444,7 @@ def test_on_postgresql_one_statement_acknowledges_and_takes_the_next(pg, monkeyp
     # The statement runs only while this process's view of the controls is fresh (a refresh
     # needs a transaction): keep it fresh, so a slow machine cannot turn one into the chain.
     monkeypatch.setattr(controls, "REFRESH", 600.0)
+    monkeypatch.setattr(controls, "MIN_REFRESH", 600.0)  # a worker's keep_fresh too
     total = 10
     q: DelayedQueue[Any] = DelayedQueue("fused")
     with pg.Session() as s, s.begin():
@@ -2486,6 +2495,7 @@ def test_on_postgresql_a_lease_take_is_one_statement_that_commits_on_its_own(pg,
     from sqla_delayedq import controls
 
     monkeypatch.setattr(controls, "REFRESH", 600.0)  # a refresh needs a transaction's take
+    monkeypatch.setattr(controls, "MIN_REFRESH", 600.0)  # a worker's keep_fresh too
     takes = one_at_a_time(
         pg,
         DelayedQueue("alone"),
@@ -2508,6 +2518,7 @@ def test_a_take_alone_that_failed_without_a_reply_loses_and_repeats_nothing(
     from sqla_delayedq._leases import FUSED
 
     monkeypatch.setattr(controls, "REFRESH", 600.0)  # keep the takes alone (see above)
+    monkeypatch.setattr(controls, "MIN_REFRESH", 600.0)  # a worker's keep_fresh too
     real = PostgreSQLStrategy.claim
     armed: list[bool] = []
     fired: list[bool] = []
@@ -2556,6 +2567,7 @@ def test_a_take_alone_whose_session_fails_after_it_returned_delivers_what_it_too
     from sqla_delayedq import controls
 
     monkeypatch.setattr(controls, "REFRESH", 600.0)  # keep the takes alone
+    monkeypatch.setattr(controls, "MIN_REFRESH", 600.0)  # a worker's keep_fresh too
     real = DelayedQueue.poll_alone
     fired: list[bool] = []
 
@@ -2564,10 +2576,10 @@ def test_a_take_alone_whose_session_fails_after_it_returned_delivers_what_it_too
         if polled is not None and polled.envelopes and not fired:
             fired.append(True)
 
-            def lost(*args: Any) -> None:
+            def lost() -> None:
                 raise TransientError("injected: the connection was lost")
 
-            sa.event.listen(session, "before_commit", lost, once=True)
+            session.commit = lost  # type: ignore[method-assign]  # its AloneSession's, once
         return polled
 
     monkeypatch.setattr(DelayedQueue, "poll_alone", then_lost)
@@ -2588,6 +2600,49 @@ def test_a_take_alone_whose_session_fails_after_it_returned_delivers_what_it_too
     assert fired
     assert sorted(handled) == keys
     assert hooks.redelivered_ == [] and hooks.buried_ == [] and len(hooks.db_errors) == 1
+    with pg.Session() as s:
+        assert q.counts(s).dead == 0
+
+
+def test_on_postgresql_a_statement_alone_that_cannot_connect_loses_no_acknowledgement(
+    pg, make_worker, monkeypatch
+):
+    """The connection of an acknowledgement alone (its own autocommit connection) cannot be
+    made (the database restarting): the acknowledgement is made again in a transaction, as
+    after any failure of that statement, and the message is handled once, none dead."""
+    from sqla_delayedq import controls
+    from sqla_delayedq._consumer import AloneSession
+
+    monkeypatch.setattr(controls, "REFRESH", 600.0)  # keep the statements alone
+    monkeypatch.setattr(controls, "MIN_REFRESH", 600.0)  # a worker's keep_fresh too
+    real = AloneSession.connection
+    armed: list[bool] = []
+
+    def refused(self: AloneSession) -> Any:
+        if armed and armed.pop():
+            raise sa.exc.OperationalError(
+                "connect", {}, Exception("connection refused"), connection_invalidated=True
+            )
+        return real(self)
+
+    monkeypatch.setattr(AloneSession, "connection", refused)
+    retry = ExponentialBackoff(max_attempts=1, initial=timedelta(hours=1), jitter=0)
+    q: DelayedQueue[Any] = DelayedQueue("alone-refused", retry=retry)
+    handled: list[str] = []
+
+    def handle(env: Envelope[Any]) -> None:
+        handled.append(env.key)
+        armed.append(True)  # the next connection made alone is this acknowledgement's
+
+    worker = make_worker(pg, concurrency=1, poll_interval=0.05, listen=False)
+    worker.register(q, handle, mode="lease")
+    with running(worker):
+        assert wait_for(lambda: waiting(worker) == 1, 15)
+        with pg.Session() as s, s.begin():
+            q.gate(s)  # this process's picture of the controls: fresh, so statements run alone
+            q.offer(s, "m", {})
+        assert wait_for(lambda: pending(pg, q) == 0, 15)
+    assert handled == ["m"] and not armed
     with pg.Session() as s:
         assert q.counts(s).dead == 0
 
@@ -2686,6 +2741,7 @@ def test_on_postgresql_a_grouped_queue_acknowledges_and_takes_in_one_statement(p
     from sqla_delayedq import controls
 
     monkeypatch.setattr(controls, "REFRESH", 600.0)  # as above: no refresh turns one into the chain
+    monkeypatch.setattr(controls, "MIN_REFRESH", 600.0)  # a worker's keep_fresh too
     q: DelayedQueue[Any] = DelayedQueue("fused-groups", groups=True)
     now = datetime.now(timezone.utc)
     with pg.Session() as s, s.begin():
@@ -2732,6 +2788,7 @@ def test_on_postgresql_a_worker_s_takes_are_planned_once(pg, monkeypatch, kind):
     from sqla_delayedq import controls, create_engine
 
     monkeypatch.setattr(controls, "REFRESH", 600.0)  # the fused statement, as above
+    monkeypatch.setattr(controls, "MIN_REFRESH", 600.0)  # a worker's keep_fresh too
     engine = create_engine(pg.engine.url)
     raw: list[Any] = []
     sa.event.listen(engine, "connect", lambda dbapi, record: raw.append(dbapi))
