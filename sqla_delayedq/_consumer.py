@@ -31,7 +31,14 @@ from sqlalchemy.orm import Session
 
 from . import _planner, _skew, controls
 from . import _statements as st
-from ._dialects import TAKE_ONLY, Listener, is_transient, strategy_class
+from ._dialects import (
+    TAKE_ONLY,
+    Listener,
+    gave_up_waiting,
+    is_transient,
+    strategy_class,
+    strategy_for,
+)
 from ._handlers import check_arity, check_transactional, is_cancellation, is_interruption
 from ._leases import (
     APART,
@@ -1779,6 +1786,7 @@ class BaseWorker(Generic[S]):
         rt = self.rt
         every = heartbeat_every(self._registrations)
         due = time.monotonic() + every
+        blocked: set[tuple[int, int]] = set()
         while not rt.drained:
             # A stop request does not end it: handlers that run on through the drain keep
             # their leases (else another consumer runs their messages beside them, or counts
@@ -1791,7 +1799,11 @@ class BaseWorker(Generic[S]):
             if rt.drained or now < due:
                 continue
             due = now + every
-            for reg, env, started in self._in_flight.snapshot():
+            # Rows whose lock the last look gave up waiting for go last, after every other.
+            waited, blocked = blocked, set()
+            snapshot = self._in_flight.snapshot()
+            snapshot.sort(key=lambda item: (id(item[0]), item[1].id) in waited)
+            for reg, env, started in snapshot:
                 remaining = (env.lease_until - reg.source.now()).total_seconds()
                 if remaining > reg.lease.total_seconds() / 2:
                     continue
@@ -1800,8 +1812,14 @@ class BaseWorker(Generic[S]):
                     continue  # hung: let the lease run out so another consumer retries it
                 try:
                     with rt.session() as s, s.begin():
-                        longer = reg.source.extend(s, env, reg.lease)
+                        longer = self._extend(s, reg, env, every)
                 except Exception as exc:
+                    if gave_up_waiting(exc):
+                        # Another transaction holds the row (a handler's own, which changed
+                        # its entity): tried again at the next look, after the others. Waiting
+                        # for it held up every other lease, which ran out under their handlers.
+                        blocked.add((id(reg), env.id))
+                        continue
                     if not retryable(exc):
                         self._fail(exc, "the lease heartbeat")
                         return
@@ -1809,6 +1827,17 @@ class BaseWorker(Generic[S]):
                     continue
                 if longer is not None:
                     self._in_flight.replace(reg, longer)
+
+    @staticmethod
+    def _extend(s: Session, reg: Registration, env: Envelope[Any], wait: float) -> Any:
+        """The heartbeat's extension of ``env``'s lease, waiting at most about ``wait`` seconds
+        for a row lock (see ``Strategy.waiting_at_most``)."""
+        restore = strategy_for(s).waiting_at_most(s, wait)
+        try:
+            return reg.source.extend(s, env, reg.lease)
+        finally:
+            if restore is not None:
+                restore()
 
     def _run_periodic(self, task: Periodic) -> None:
         """A side task: a pass now and then every ``interval``, surviving every error but an

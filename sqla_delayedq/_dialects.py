@@ -16,6 +16,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import secrets
 import threading
 import weakref
@@ -37,6 +38,8 @@ from sqlalchemy import (
     func,
     literal,
     select,
+    text,
+    true,
     update,
 )
 from sqlalchemy import cast as sa_cast
@@ -63,6 +66,7 @@ __all__ = [
     "Listener",
     "NewRow",
     "Strategy",
+    "gave_up_waiting",
     "is_transient",
     "strategy_class",
     "strategy_for",
@@ -382,6 +386,19 @@ class Strategy(abc.ABC):
         """Insert-if-absent for a row the transaction will then lock ``FOR UPDATE``."""
         return self.insert_ignore(t)
 
+    def waiting_at_most(self, session: Session, seconds: float) -> Callable[[], None] | None:
+        """Bound the wait of the session's next statements for a row lock another transaction
+        holds to about ``seconds`` (a lease heartbeat's extension, which must not hold up the
+        others); what puts the connection's own bound back when the caller is done, or None.
+        Nothing on SQLite, whose one writer at a time is waited for."""
+        return None
+
+    @classmethod
+    def gave_up_waiting(cls, exc: BaseException) -> bool:
+        """Whether ``exc`` is a statement giving up its wait for a lock (see
+        :meth:`waiting_at_most`)."""
+        return False
+
     #: Whether the database runs on a clock of its own (a server), for :meth:`server_now`.
     has_server_clock: ClassVar[bool] = False
 
@@ -621,6 +638,16 @@ class PostgreSQLStrategy(Strategy):
         values = {c: bindparam(c, type_=t.c[c].type) for c in INSERT_COLUMNS}
         ins = self.insert_ignore(t).values(values).returning(t.c.id).cte("ins")
         return select(ins.c.id, func.pg_notify(literal(self.channel(table_key(t))), literal(queue)))
+
+    def waiting_at_most(self, session: Session, seconds: float) -> Callable[[], None] | None:
+        # For the rest of the transaction only (SET LOCAL): nothing to put back.
+        wait = f"{max(1, round(seconds * 1000))}ms"
+        session.execute(select(func.set_config("lock_timeout", wait, true())))
+        return None
+
+    @classmethod
+    def gave_up_waiting(cls, exc: BaseException) -> bool:
+        return getattr(getattr(exc, "orig", None), "sqlstate", None) == "55P03"
 
     def notify(self, session: Session, notes: Sequence[tuple[str, str]]) -> None:
         if notes:
@@ -930,6 +957,22 @@ class MySQLStrategy(Strategy):
     def server_now(self, session: Session | Connection) -> datetime | None:
         return session.execute(select(func.utc_timestamp(6, type_=DateTimeUTC()))).scalar_one()
 
+    def waiting_at_most(self, session: Session, seconds: float) -> Callable[[], None] | None:
+        # A session variable, in whole seconds: kept on the pooled connection unless put back.
+        before = session.execute(text("SELECT @@SESSION.innodb_lock_wait_timeout")).scalar_one()
+        wait = text("SET SESSION innodb_lock_wait_timeout = :s")
+        session.execute(wait, {"s": max(1, math.ceil(seconds))})
+
+        def put_back() -> None:
+            session.execute(wait, {"s": before})
+
+        return put_back
+
+    @classmethod
+    def gave_up_waiting(cls, exc: BaseException) -> bool:
+        args: tuple[Any, ...] = getattr(getattr(exc, "orig", None), "args", ())
+        return bool(args) and args[0] == 1205
+
     def group_hold(self, transactional: bool) -> st.GroupLock:
         # A lease take only checks that no transactional take holds the group: its lease marks
         # the group once it commits, and a named lock would cost it a statement to give back.
@@ -1180,6 +1223,15 @@ def transient_as_ours(fn: Callable[P_, R_]) -> Callable[P_, R_]:
             ) from exc
 
     return operation
+
+
+def gave_up_waiting(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it was raised from) is a statement that gave up its wait for a
+    row lock (see ``Strategy.waiting_at_most``), on any supported backend."""
+    errors = [exc] if exc.__cause__ is None else [exc, exc.__cause__]
+    return any(
+        cls.gave_up_waiting(e) for e in errors for cls in (PostgreSQLStrategy, MySQLStrategy)
+    )
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -2303,20 +2303,30 @@ def test_only_a_take_only_transaction_commits_without_waiting_for_the_flush(pg, 
 
 def test_a_lease_worker_relaxes_its_takes_commits_and_not_its_acks(pg):
     """Every commit of a lease-mode worker, with the setting it ran under: the takes' are
-    relaxed, every acknowledgement waits for the flush, and every message is handled once."""
+    relaxed, every acknowledgement waits for the flush, and every message is handled once.
+    A statement that commits on its own (autocommit: a take, an acknowledgement, or both in
+    one) is relaxed when it says so itself."""
     commits: list[tuple[str, str]] = []
 
     def on_commit(conn: Any) -> None:
         cursor = conn.connection.dbapi_connection.cursor()
         cursor.execute("SHOW synchronous_commit")
-        setting = cursor.fetchone()[0]
-        commits.append((setting, threading.current_thread().name))
+        commits.append((cursor.fetchone()[0], "transaction"))
+
+    def on_statement(conn: Any, cursor: Any, statement: str, params: Any, *args: Any) -> None:
+        if conn.get_execution_options().get("isolation_level") != "AUTOCOMMIT":
+            return
+        text = statement.lstrip()
+        kind = "ack" if text.startswith(("WITH acked AS", "DELETE")) else "take"
+        relaxed = "synchronous_commit" in f"{text} {params}"
+        commits.append(("off" if relaxed else "on", kind))
 
     queue: DelayedQueue[Any] = DelayedQueue("q")
     with pg.Session() as s, s.begin():
         queue.offer_batch(s, [(f"k{i}", {"i": i}, None) for i in range(6)])
     handled: list[str] = []
     sa.event.listen(pg.engine, "commit", on_commit)
+    sa.event.listen(pg.engine, "before_cursor_execute", on_statement)
     try:
         worker = Worker(pg.Session, concurrency=1, poll_interval=0.2, keep_statistics=False)
         worker.register(queue, lambda e: handled.append(e.key), mode="lease")
@@ -2327,12 +2337,14 @@ def test_a_lease_worker_relaxes_its_takes_commits_and_not_its_acks(pg):
             time.sleep(0.3)
     finally:
         sa.event.remove(pg.engine, "commit", on_commit)
+        sa.event.remove(pg.engine, "before_cursor_execute", on_statement)
     assert sorted(handled) == [f"k{i}" for i in range(6)]
-    relaxed = [c for c in commits if c[0] == "off"]
-    durable = [c for c in commits if c[0] == "on"]
-    # The first take commits alone; each later one rides in the ack before it, which waits.
-    assert len(relaxed) == 1, commits
-    assert len(durable) >= 6, commits  # the acks (the last with an empty take)
+    # The first take reads the controls in a transaction, relaxed; each later one rides in
+    # the acknowledgement before it, which waits, and a take alone relaxes itself.
+    assert ("off", "transaction") in commits, commits
+    assert all(setting == "off" for setting, kind in commits if kind == "take"), commits
+    assert all(setting == "on" for setting, kind in commits if kind == "ack"), commits
+    assert len([c for c in commits if c[1] == "ack"]) >= 6, commits  # the last with no take
 
 
 @contextlib.contextmanager

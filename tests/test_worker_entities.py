@@ -27,6 +27,7 @@ from sqla_delayedq import (
     Envelope,
     ExponentialBackoff,
 )
+from sqla_delayedq.worker import Worker
 from tests.entity_app.models import Base, Order
 from tests.fix_db import Backend
 from tests.fix_workers import losing_a_commit_reply, running, stopped_by
@@ -41,6 +42,15 @@ def db(backend: Backend) -> Iterator[Backend]:
     Base.metadata.create_all(backend.engine)
     yield backend
     Base.metadata.drop_all(backend.engine)
+
+
+@pytest.fixture
+def server_db(server_backend: Backend) -> Iterator[Backend]:
+    server_backend.engine.dispose()
+    Base.metadata.drop_all(server_backend.engine)
+    Base.metadata.create_all(server_backend.engine)
+    yield server_backend
+    Base.metadata.drop_all(server_backend.engine)
 
 
 def add_scheduled(db: Backend, queue: EntityQueue[Order], n: int) -> list[int]:
@@ -318,3 +328,100 @@ def test_a_transactional_entity_handler_raising_a_base_exception_counts_its_atte
         assert order.queue_lock_token is None  # not held by a lease
         assert order.queue_next_attempt_at is not None  # scheduled for its retry
         assert "SystemExit" in (order.queue_last_error or "")
+
+
+def test_a_handler_holding_its_entity_row_lock_holds_up_no_other_lease(server_db):
+    """A limited entity queue's transactional handler changes its entity and flushes: its
+    transaction holds that row's lock until it ends. The heartbeat waited for that lock to
+    extend the row's lease, and extended no other lease meanwhile: the other handler's lease
+    ran out while it ran, and a second worker ran that entity beside it. Now the heartbeat's
+    wait for a lock is bounded (a second on MariaDB, the least it allows), and it goes on to
+    the other leases; each entity starts once (found in review)."""
+    queue = EntityQueue(Order, lease=timedelta(seconds=2))
+    with server_db.Session.begin() as s:
+        queue.set_limits(s, max_in_flight=10)
+    ids = add_scheduled(server_db, queue, 2)
+    starts: list[int] = []
+
+    def handler(envelope: Envelope[Order], session: Session) -> None:
+        starts.append(envelope.payload.id)
+        if envelope.payload.id == ids[0]:
+            envelope.payload.charge_count += 1
+            session.flush()  # its row is locked until the transaction ends
+        time.sleep(5.0)  # two and a half leases
+
+    options: dict[str, Any] = {"listen": False, "keep_statistics": False, "poll_interval": 0.1}
+    first = Worker(server_db.Session, concurrency=2, **options)
+    second = Worker(server_db.Session, concurrency=1, **options)
+    for worker in (first, second):
+        worker.register(queue, handler, mode="transactional")
+    with running(first):
+        assert wait_for(lambda: len(starts) == 2, 10)
+        time.sleep(2.3)  # past the end of the first leases
+        with running(second):
+            assert wait_for(lambda: counts(server_db, queue).succeeded == 2, 15)
+    assert sorted(starts) == sorted(ids)
+
+
+def test_a_long_handler_keeps_its_lease_while_the_application_references_its_entity(server_db):
+    """A lease-mode handler three leases long, while the application inserts rows that refer to
+    its entity by a foreign key, in short transactions of its own (each share-locks the entity
+    row). The heartbeat extends the lease all the same, and no other worker runs the entity
+    beside it. (Found in review: a heartbeat that passed over a locked row instead of waiting
+    for it let the lease run out here.)"""
+    import sqlalchemy as sa
+
+    md = sa.MetaData()
+    sa.Table(Order.__tablename__, md, autoload_with=server_db.engine)
+    events = sa.Table(
+        "order_events",
+        md,
+        sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+        sa.Column(
+            "order_id", Order.__table__.c.id.type, sa.ForeignKey(f"{Order.__tablename__}.id")
+        ),
+    )
+    events.create(server_db.engine)
+    try:
+        queue = EntityQueue(Order, lease=timedelta(seconds=1))
+        [order_id] = add_scheduled(server_db, queue, 1)
+        running_now: list[str] = []
+        overlaps: list[list[str]] = []
+        lock = threading.Lock()
+
+        def handler(envelope: Envelope[Order]) -> None:
+            with lock:
+                running_now.append(envelope.lock_token)
+                if len(running_now) > 1:
+                    overlaps.append(list(running_now))
+            time.sleep(3.0)  # three leases: the heartbeat keeps it
+            with lock:
+                running_now.remove(envelope.lock_token)
+
+        stop = threading.Event()
+
+        def application() -> None:
+            while not stop.is_set():
+                with server_db.Session.begin() as s:
+                    s.execute(events.insert().values(order_id=order_id))
+                    time.sleep(0.2)  # a request's transaction
+                time.sleep(0.01)
+
+        options: dict[str, Any] = {"listen": False, "keep_statistics": False}
+        first = Worker(server_db.Session, concurrency=1, poll_interval=0.05, **options)
+        second = Worker(server_db.Session, concurrency=1, poll_interval=0.05, **options)
+        for worker in (first, second):
+            worker.register(queue, handler)
+        writer = threading.Thread(target=application, daemon=True)
+        with running(first):
+            assert wait_for(lambda: len(running_now) == 1, 10)
+            writer.start()
+            try:
+                with running(second):
+                    assert wait_for(lambda: counts(server_db, queue).succeeded == 1, 15)
+            finally:
+                stop.set()
+                writer.join(10)
+        assert overlaps == []
+    finally:
+        events.drop(server_db.engine)
