@@ -1346,6 +1346,7 @@ class BaseWorker(Generic[S]):
                         for rest in envs[i:]:
                             self._settle(reg, rest, "release")
                             self._in_flight.pop(reg, rest)
+                        handled -= len(envs) - i  # given back, not handled
                         break
                     self._observe(reg, env)
                     after = self._handle(reg, [env], env, then if i == len(envs) - 1 else 0)
@@ -1919,10 +1920,14 @@ class BaseWorker(Generic[S]):
         Only this call's: other threads or tasks may run ``process_due`` on the same worker."""
         handled, errors = 0, 0
         try:
-            while limit is None or handled < limit:
+            # A stop (request_stop, a cancelled call beside it) ends it: each take would give
+            # back what it took, unhandled, and take it again.
+            while (limit is None or handled < limit) and not self.rt.stopping:
                 before = handled
                 try:
                     for reg in self._registrations:
+                        if self.rt.stopping:
+                            break
                         handled += self._once(reg).handled
                         self._raise_failure()
                 except Exception as exc:

@@ -60,6 +60,10 @@ def _flag(slot: _Slot) -> bool:
     return True
 
 
+#: How often ``run()`` looks whether a signal asked it to stop.
+SIGNAL_LOOK = 0.1
+
+
 class ThreadRuntime:
     """Waiting, sleeping, sessions and handler calls for threads."""
 
@@ -238,13 +242,22 @@ class Worker(BaseWorker[sessionmaker[Session]]):
         :class:`~sqla_delayedq.WorkerError` when the worker stopped on an error it must not
         retry (a bug, a missing table): it was logged with its traceback.
         """
+        # A signal handler runs on the main thread between two of its bytecodes, maybe while
+        # it holds a lock of the runtime's (a first signal's stop request, a wait): one that
+        # took such a lock itself waited on its own thread for ever (Ctrl-C on `delayedq worker
+        # -p N` sends SIGINT, then the supervisor SIGTERM). It only notes the signal; the loop
+        # below asks for the stop.
+        signalled: list[int] = []
         if install_signal_handlers:
             for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda *_: self.request_stop())
+                signal.signal(sig, lambda signum, _: signalled.append(signum))
         self.start()
         try:
             while not self.stopping:
-                self.rt.pause(0.5)
+                if signalled:
+                    self.request_stop()
+                    break
+                self.rt.pause(SIGNAL_LOOK)
         except BaseException:
             self.stop()  # interrupted (KeyboardInterrupt without our signal handlers): no thread
             raise  # of ours goes on taking after run() is gone

@@ -2057,6 +2057,87 @@ def test_a_handler_failing_with_no_retry_delay_does_not_spin_or_starve_other_que
     assert len(attempts) < 300, len(attempts)  # about 20 a second, not thousands
 
 
+def test_request_stop_during_process_due_ends_it_without_taking_again(backend):
+    """``request_stop()`` while ``process_due`` runs (a cron job's SIGTERM handler, or a
+    cancelled asyncio call beside it on the same worker): it returns with what its handlers
+    handled, and what it took but did not start is given back, uncounted. It went on taking,
+    gave each message back unhandled and counted it as handled: without a limit it never
+    returned (found in review)."""
+    q: DelayedQueue[Any] = DelayedQueue("stopped-due", lease=timedelta(minutes=5))
+    with backend.Session.begin() as s:
+        q.offer_batch(s, [(f"m{i}", {}) for i in range(5)])
+    handled: list[str] = []
+    worker = Worker(backend.Session, listen=False, keep_statistics=False, batch_size=5)
+
+    def handler(env: Envelope[Any]) -> None:
+        handled.append(env.key)
+        worker.request_stop()
+
+    worker.register(q, handler, mode="lease")
+    assert worker.process_due(limit=50) == 1  # the spin stopped at the limit, 50 "handled"
+    assert len(handled) == 1
+    with backend.Session() as s:
+        rest = [q.get(s, f"m{i}") for i in range(5) if f"m{i}" not in handled]
+    assert all(i is not None and i.lock_token is None and i.attempts == 0 for i in rest)
+    assert all(i is not None and i.state is State.DUE for i in rest)
+
+
+#: A thread worker of 32 idle consumers that prints "ready", then runs until signalled.
+SIGNALLED = """
+import sys, time, threading
+from sqlalchemy.orm import sessionmaker
+from sqla_delayedq import DelayedQueue, create_engine
+from sqla_delayedq.models import metadata
+from sqla_delayedq.worker import Worker
+engine = create_engine(sys.argv[1])
+metadata.create_all(engine)
+w = Worker(sessionmaker(engine), listen=False, concurrency=32, drain_timeout=2, poll_interval=30)
+w.register(DelayedQueue("signalled"), lambda env: None)
+def ready():
+    while w._rt is None or len(w._rt._waiting) < 32:
+        time.sleep(0.01)
+    print("ready", flush=True)
+threading.Thread(target=ready, daemon=True).start()
+w.run()
+print("stopped", flush=True)
+"""
+
+
+def test_a_thread_worker_stops_on_a_second_signal_during_the_first_s_stop(tmp_path):
+    """Ctrl-C on ``delayedq worker -p N`` sends each child SIGINT, and the supervisor then
+    SIGTERM: a thread worker's signal handler asked for the stop itself, taking a lock of the
+    runtime's, and the second signal's handler, run on the same thread while the first held it,
+    waited on it for ever (about half of such runs hung; found in review). Each of ten runs
+    now stops."""
+    import random
+    import signal
+
+    gaps = random.Random(7)
+    hung = []
+    for i in range(10):
+        url = f"sqlite:///{tmp_path / f'signalled{i}.db'}"
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SIGNALLED, url], stdout=subprocess.PIPE, text=True
+        )
+        assert proc.stdout is not None
+        try:
+            assert proc.stdout.readline().strip() == "ready"
+            gap = gaps.random() * 300e-6  # the second lands while the first's handler runs
+            proc.send_signal(signal.SIGINT)
+            sent = time.perf_counter()
+            while time.perf_counter() - sent < gap:
+                pass
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                hung.append(i)
+        finally:
+            proc.kill()
+            proc.wait()
+    assert hung == []
+
+
 def test_request_stop_alone_ends_the_heartbeat_with_the_last_consumer(backend):
     """A worker told to stop (request_stop, or its own stop on a fatal error) without stop()
     being called: once every consumer has ended, the heartbeat ends too, not run for ever."""
