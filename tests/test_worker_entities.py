@@ -35,8 +35,7 @@ from tests.fix_workers import losing_a_commit_reply, running, stopped_by
 MODES = ("lease", "transactional")
 
 
-@pytest.fixture
-def db(backend: Backend) -> Iterator[Backend]:
+def with_tables(backend: Backend) -> Iterator[Backend]:
     backend.engine.dispose()
     Base.metadata.drop_all(backend.engine)
     Base.metadata.create_all(backend.engine)
@@ -45,12 +44,14 @@ def db(backend: Backend) -> Iterator[Backend]:
 
 
 @pytest.fixture
+def db(backend: Backend) -> Iterator[Backend]:
+    yield from with_tables(backend)
+
+
+@pytest.fixture
 def server_db(server_backend: Backend) -> Iterator[Backend]:
-    server_backend.engine.dispose()
-    Base.metadata.drop_all(server_backend.engine)
-    Base.metadata.create_all(server_backend.engine)
-    yield server_backend
-    Base.metadata.drop_all(server_backend.engine)
+    """``db`` on PostgreSQL and MariaDB only (row locks)."""
+    yield from with_tables(server_backend)
 
 
 def add_scheduled(db: Backend, queue: EntityQueue[Order], n: int) -> list[int]:
