@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import sys
 from collections.abc import Collection, Iterator
 from datetime import timedelta
@@ -241,6 +242,35 @@ async def check_tables_async(
         raise RuntimeFailure(problem)
 
 
+STOP_NOTED = "delayedq.stop_noted"
+
+
+def note_stop_signals(ctx: click.Context) -> None:
+    """A supervised worker process (``-p N``) notes SIGTERM and SIGINT outside its worker's
+    ``run()``, whose own handlers take them meanwhile. Ctrl-C reaches the process and its
+    supervisor, which then sends SIGTERM as well: one that came after the worker had
+    stopped killed the process (status -15, and the supervisor exited 1). One that came
+    while the process started (the supervisor blocks both until here) stops its worker as
+    soon as it runs."""
+    from ._consumer import STOP_SIGNALS
+    from .processes import CHILD_ENV
+
+    if not os.environ.get(CHILD_ENV):
+        return
+    noted: list[int] = ctx.meta.setdefault(STOP_NOTED, [])
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda signum, _: noted.append(signum))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by the supervisor
+
+
+def stop_if_noted(ctx: click.Context, worker: Any) -> None:
+    """Just before ``run()``: a stop signal noted while the process started stops the worker
+    at once (it drains nothing, as it took nothing)."""
+    if ctx.meta.get(STOP_NOTED):
+        log.info("stopping at once: a stop signal came while the worker process started")
+        worker.request_stop()
+
+
 def monitor(worker: Any, heartbeat: float, no_monitor: bool) -> None:
     """Record the worker in the dashboard's tables (sqla_delayedq.monitor), unless told not to."""
     if no_monitor:
@@ -275,6 +305,7 @@ def run_user_worker(
     entities = {q.table for q in queues if isinstance(q, EntityQueue)}
     if isinstance(worker, Worker):
         check_tables(worker.sessions.kw.get("bind"), tables, entities)
+        stop_if_noted(ctx, worker)
         drained = worker.run()
     else:
 
@@ -282,6 +313,7 @@ def run_user_worker(
             bind = worker.sessions.kw.get("bind")
             try:
                 await check_tables_async(bind, tables, entities)
+                stop_if_noted(ctx, worker)
                 return bool(await worker.run())
             finally:
                 if hasattr(bind, "dispose"):  # close the pool while its event loop runs
@@ -411,6 +443,7 @@ def worker(
                                                quick form: the queue is built from the flags
     delayedq worker myapp.jobs:worker -p 2     two processes of it, supervised
     """
+    note_stop_signals(ctx)
     obj = import_object(target, "TARGET")  # fails here, once, not in every child
     if processes > 1:
         from .processes import run_processes
@@ -522,6 +555,7 @@ def run_quick_form(
         w.register(queue, fn, mode=cast("Mode", mode), lease=lease, handler_timeout=handler_timeout)
     monitor(w, heartbeat.total_seconds(), no_monitor)
     log.info("consuming %s with %s (%s mode)", ", ".join(names), target, mode)
+    stop_if_noted(ctx, w)
     drained = w.run()
     if not drained:
         log.warning("some handlers did not finish within the drain timeout; released them")

@@ -16,12 +16,14 @@ ack/nack/release/extend by lock token, transactional ``process_one``).
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import logging
 import math
+import signal
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Generic, Literal, NamedTuple, Protocol, TypeVar, cast
@@ -84,6 +86,32 @@ PROCESS_DUE_RETRIES = 5
 
 T = TypeVar("T")
 Mode = Literal["lease", "transactional"]
+
+#: The signals ``run()`` stops on, gracefully.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def stop_signals(
+    install: Callable[[signal.Signals], object],
+    remove: Callable[[signal.Signals], object] = lambda sig: None,
+) -> Iterator[None]:
+    """SIGTERM and SIGINT go to ``install``'s handlers for the block, then to the handlers the
+    process had before it, not to the defaults. A late signal then does what the process
+    asked for: a supervised worker process ignores the supervisor's SIGTERM that comes after
+    its own Ctrl-C stop, where the default action killed it with status -15. Each handler
+    comes back right after ``remove`` (asyncio's sets the default on the way)."""
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    for sig in STOP_SIGNALS:
+        install(sig)
+    try:
+        yield
+    finally:
+        for sig in STOP_SIGNALS:
+            with contextlib.suppress(Exception):  # a closed event loop has none left
+                remove(sig)
+            handler = previous[sig]  # None: set outside Python, which cannot be restored
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
 def log_failure(

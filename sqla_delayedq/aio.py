@@ -23,7 +23,6 @@ import contextlib
 import functools
 import inspect
 import logging
-import signal
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
@@ -35,7 +34,7 @@ from sqlalchemy.ext.asyncio import create_async_engine as sa_create_async_engine
 from sqlalchemy.orm import Session
 from sqlalchemy.util import await_only, greenlet_spawn
 
-from ._consumer import BaseWorker, Mode, WorkerHooks, hand_out
+from ._consumer import BaseWorker, Mode, WorkerHooks, hand_out, stop_signals
 from ._dialects import is_transient
 from ._engine import engine_options
 from ._handlers import (
@@ -508,60 +507,62 @@ class AsyncWorker(BaseWorker[async_sessionmaker[AsyncSession]]):
         self._rt = rt
         if self._stop_requested:
             rt.request_stop()
-        if install_signal_handlers:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, self.request_stop)
-        unsubscribe = [subscribe(t, self._waiter(t)) for t in self._tables()]
-        bind = self.sessions.kw.get("bind")
-        listener = self._listener(bind, self._wake)
-        side = [
-            asyncio.create_task(greenlet_spawn(self._run_periodic, t))
-            for t in self._side_tasks(bind)
-        ]
-        # Leases: lease mode's, and the takes of limited queues in transactional mode.
-        side.append(asyncio.create_task(greenlet_spawn(self._heartbeat)))
-        tasks = [asyncio.create_task(greenlet_spawn(self._consume)) for _ in self._slots()]
-        log.info("%s started: %d tasks on %s", self.name, self.concurrency, self._tables())
-        cancelled: asyncio.CancelledError | None = None
-        try:
+        handlers = (
+            stop_signals(
+                lambda sig: loop.add_signal_handler(sig, self.request_stop),
+                loop.remove_signal_handler,
+            )
+            if install_signal_handlers
+            else contextlib.nullcontext()
+        )
+        with handlers:
+            unsubscribe = [subscribe(t, self._waiter(t)) for t in self._tables()]
+            bind = self.sessions.kw.get("bind")
+            listener = self._listener(bind, self._wake)
+            side = [
+                asyncio.create_task(greenlet_spawn(self._run_periodic, t))
+                for t in self._side_tasks(bind)
+            ]
+            # Leases: lease mode's, and the takes of limited queues in transactional mode.
+            side.append(asyncio.create_task(greenlet_spawn(self._heartbeat)))
+            tasks = [asyncio.create_task(greenlet_spawn(self._consume)) for _ in self._slots()]
+            log.info("%s started: %d tasks on %s", self.name, self.concurrency, self._tables())
+            cancelled: asyncio.CancelledError | None = None
             try:
-                await rt.stopped()
-            except asyncio.CancelledError as exc:
-                # run() itself was cancelled (a lifespan's or a task group's shutdown): stop
-                # as on a signal, then let the cancellation go on. Consumers left running
-                # would go on taking, with no heartbeat for their leases.
-                cancelled = exc
-                self.request_stop()
-            try:
-                _, pending = await asyncio.wait(tasks, timeout=self.drain_timeout)
-            except asyncio.CancelledError as exc:  # cancelled (again) while draining: no drain
-                cancelled = exc
-                pending = {t for t in tasks if not t.done()}
-            for t in pending:
-                t.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-            rt.mark_drained()  # the heartbeat kept the drained handlers' leases until now
-            await greenlet_spawn(self._release_in_flight)
-            await greenlet_spawn(self._stop_periodic)
-            log.info("%s stopped (%d tasks did not finish in time)", self.name, len(pending))
-            if cancelled is not None:
-                raise cancelled
-            self._raise_failure()
-            return not pending
-        finally:
-            for t in tasks:  # whatever ended run(), no consumer outlives it
-                t.cancel()
-            for t in side:
-                t.cancel()
-            await asyncio.gather(*side, return_exceptions=True)
-            for fn in unsubscribe:
-                fn()
-            if listener is not None:
-                await asyncio.to_thread(listener.stop)
-            if install_signal_handlers:
-                for sig in (signal.SIGTERM, signal.SIGINT):
-                    with contextlib.suppress(Exception):
-                        loop.remove_signal_handler(sig)
+                try:
+                    await rt.stopped()
+                except asyncio.CancelledError as exc:
+                    # run() itself was cancelled (a lifespan's or a task group's shutdown): stop
+                    # as on a signal, then let the cancellation go on. Consumers left running
+                    # would go on taking, with no heartbeat for their leases.
+                    cancelled = exc
+                    self.request_stop()
+                try:
+                    _, pending = await asyncio.wait(tasks, timeout=self.drain_timeout)
+                except asyncio.CancelledError as exc:  # cancelled again while draining
+                    cancelled = exc
+                    pending = {t for t in tasks if not t.done()}
+                for t in pending:
+                    t.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+                rt.mark_drained()  # the heartbeat kept the drained handlers' leases until now
+                await greenlet_spawn(self._release_in_flight)
+                await greenlet_spawn(self._stop_periodic)
+                log.info("%s stopped (%d tasks did not finish in time)", self.name, len(pending))
+                if cancelled is not None:
+                    raise cancelled
+                self._raise_failure()
+                return not pending
+            finally:
+                for t in tasks:  # whatever ended run(), no consumer outlives it
+                    t.cancel()
+                for t in side:
+                    t.cancel()
+                await asyncio.gather(*side, return_exceptions=True)
+                for fn in unsubscribe:
+                    fn()
+                if listener is not None:
+                    await asyncio.to_thread(listener.stop)
 
     def _slots(self) -> range:
         return range(self.concurrency)

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 
+from ._consumer import STOP_SIGNALS
 from .errors import InvalidArgument
 
 __all__ = ["run_processes"]
@@ -49,18 +50,27 @@ MAX_QUICK_EXITS = 3
 PR_SET_PDEATHSIG = 1
 
 
-def _stop_with_the_supervisor(supervisor: int) -> Callable[[], None]:
-    """For a child, before it runs (Linux): SIGTERM when the supervisor dies, so a supervisor
-    killed with SIGKILL (the OOM killer, ``kill -9``) leaves no worker running unsupervised,
-    for ever, beside those of the supervisor that replaces it. A supervisor that died before
-    the request took effect is no longer the parent: the child stops at once."""
+def _child_start(supervisor: int) -> Callable[[], None]:
+    """For a child, before it runs:
 
-    def guard() -> None:
+    - SIGTERM and SIGINT blocked until ``delayedq worker`` has its handlers for them
+      (``note_stop_signals``), so one that comes while the child starts Python and imports
+      the user's code stops its worker once it runs, where it killed the child (status -15);
+    - on Linux, SIGTERM when the supervisor dies, so a supervisor killed with SIGKILL (the OOM
+      killer, ``kill -9``) leaves no worker running unsupervised, for ever, beside those of the
+      supervisor that replaces it. A supervisor that died before the request took effect is
+      no longer the parent: the child stops at once.
+    """
+
+    def start() -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        if sys.platform != "linux":
+            return
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() != supervisor:
             os._exit(1)  # before exec: nothing of the worker ran yet
 
-    return guard
+    return start
 
 
 @dataclass
@@ -116,8 +126,8 @@ class _Supervisor:
         if self.stopping:  # a signal came while the children started, or during a backoff
             return
         env = {**os.environ, CHILD_ENV: str(slot.number)}
-        orphan_guard = _stop_with_the_supervisor(os.getpid()) if sys.platform == "linux" else None
-        slot.proc = subprocess.Popen(self.command, env=env, preexec_fn=orphan_guard)
+        start = _child_start(os.getpid()) if sys.platform != "win32" else None
+        slot.proc = subprocess.Popen(self.command, env=env, preexec_fn=start)
         slot.started = time.monotonic()
         log.info("worker process %d started: pid %d", slot.number, slot.proc.pid)
         if self.stopping:  # the signal came while it started: it was not among those told

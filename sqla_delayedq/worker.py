@@ -20,6 +20,7 @@ The decisions live in :mod:`sqla_delayedq._consumer`, shared with the asyncio wo
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import signal
 import threading
@@ -29,7 +30,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from ._consumer import BaseWorker, Mode, WorkerHooks, hand_out, require_option
+from ._consumer import BaseWorker, Mode, WorkerHooks, hand_out, require_option, stop_signals
 from ._handlers import call_sync_handler, check_callback, check_sync_handler
 from ._types import QueueName
 from ._wakeup import subscribe
@@ -248,20 +249,23 @@ class Worker(BaseWorker[sessionmaker[Session]]):
         # -p N` sends SIGINT, then the supervisor SIGTERM). It only notes the signal; the loop
         # below asks for the stop.
         signalled: list[int] = []
-        if install_signal_handlers:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda signum, _: signalled.append(signum))
-        self.start()
-        try:
-            while not self.stopping:
-                if signalled:
-                    self.request_stop()
-                    break
-                self.rt.pause(SIGNAL_LOOK)
-        except BaseException:
-            self.stop()  # interrupted (KeyboardInterrupt without our signal handlers): no thread
-            raise  # of ours goes on taking after run() is gone
-        drained = self.stop()
+        handlers = (
+            stop_signals(lambda sig: signal.signal(sig, lambda n, _: signalled.append(n)))
+            if install_signal_handlers
+            else contextlib.nullcontext()
+        )
+        with handlers:
+            self.start()
+            try:
+                while not self.stopping:
+                    if signalled:
+                        self.request_stop()
+                        break
+                    self.rt.pause(SIGNAL_LOOK)
+            except BaseException:
+                self.stop()  # interrupted (KeyboardInterrupt without our signal handlers): no
+                raise  # thread of ours goes on taking after run() is gone
+            drained = self.stop()
         self._raise_failure()
         return drained
 

@@ -3109,3 +3109,53 @@ def test_a_worker_in_step_with_the_database_and_a_test_clock_log_nothing(
     skew = [r.getMessage() for r in caplog.records if "the database server's" in r.getMessage()]
     assert len(skew) == 1 and "manual" not in skew[0], skew
     assert [r.levelname for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+@pytest.mark.parametrize("kind", ["thread", "asyncio"])
+def test_run_gives_the_process_back_its_own_signal_handlers(backend, kind):
+    """``run()`` handles SIGTERM and SIGINT while it runs, then restores the handlers the
+    process had. The asyncio worker restored the defaults instead, so the SIGTERM a supervisor
+    sends after a Ctrl-C killed a worker process that had already stopped cleanly (status -15,
+    and ``delayedq worker -p N`` exited 1); the thread worker left its own handler, which
+    swallowed every later SIGTERM and SIGINT of the process."""
+    import signal
+
+    from sqlalchemy.ext.asyncio import async_sessionmaker
+
+    from sqla_delayedq.aio import AsyncWorker, create_async_engine
+    from tests.fix_db import ASYNC_DRIVERS
+
+    def mine(signum: int, frame: Any) -> None:
+        pass
+
+    before = {sig: signal.signal(sig, mine) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        if kind == "thread":
+            worker = Worker(backend.Session, poll_interval=0.05, listen=False)
+            worker.register(DelayedQueue("signals"), lambda env: None)
+            threading.Timer(0.3, worker.request_stop).start()
+            assert worker.run() is True
+        else:
+            url = backend.url.set(drivername=ASYNC_DRIVERS[backend.name])
+            engine = create_async_engine(url)
+            aworker = AsyncWorker(async_sessionmaker(engine), poll_interval=0.05, listen=False)
+
+            async def handle(env: Any) -> None:
+                pass
+
+            aworker.register(DelayedQueue("signals"), handle)
+
+            async def main() -> bool:
+                asyncio.get_running_loop().call_later(0.3, aworker.request_stop)
+                try:
+                    return await aworker.run()
+                finally:
+                    await engine.dispose()
+
+            assert asyncio.run(main()) is True
+        assert signal.getsignal(signal.SIGTERM) is mine
+        assert signal.getsignal(signal.SIGINT) is mine
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ import pytest
 
 from sqla_delayedq import DelayedQueue
 from tests.fix_db import Backend
-from tests.test_cli import REPO, rows, url_of
+from tests.test_cli import REPO, app_tables, rows, url_of  # noqa: F401 (a fixture)
 
 QUEUE = "jobs"
 
@@ -41,7 +42,10 @@ class Supervised:
         }
         cmd = [sys.executable, "-m", "sqla_delayedq.cli", "worker", *args]
         with self.log.open("w") as log:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, env=environ, stderr=log)
+            # Its own process group, as in a terminal, where Ctrl-C signals the whole group.
+            self.proc = subprocess.Popen(
+                cmd, cwd=REPO, env=environ, stderr=log, start_new_session=True
+            )
 
     def lines(self, prefix: str) -> list[list[str]]:
         if not self.events.exists():
@@ -145,6 +149,33 @@ def test_sigterm_drains_every_worker_process(server_backend, supervise):
 
 
 @pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+@pytest.mark.parametrize("app", ["make_worker", "make_async_worker"])
+@pytest.mark.parametrize("when", ["running", "starting"])
+@pytest.mark.usefixtures("app_tables")
+def test_ctrl_c_in_a_terminal_stops_every_worker_process_with_status_0(
+    backend, supervise, app, when
+):
+    """Ctrl-C signals the supervisor and its children at once, and the supervisor then sends
+    each child SIGTERM too. A child whose worker had already stopped (an idle asyncio one stops
+    within milliseconds) was killed by that SIGTERM, status -15, and the supervisor exited 1;
+    one still starting was killed by either signal."""
+    for trial in range(3):
+        run = supervise(backend, f"tests.cli_app:{app}", "-p", "2")
+        if when == "running":
+            run.wait(lambda r=run: r.text().count(" started: 2 t") == 2, "two workers running")
+            time.sleep(0.3)  # idle: an asyncio worker then stops before the SIGTERM comes
+        else:
+            run.wait(lambda r=run: len(r.children()) == 2, "two worker processes started")
+            time.sleep(0.05 * trial)  # in Python's start, the import, the table check
+        os.killpg(run.proc.pid, signal.SIGINT)
+        assert run.proc.wait(60) == 0, run.text()
+        exits = re.findall(r"worker process \d \(pid \d+\) exited with (-?\d+)", run.text())
+        assert exits == ["0", "0"], run.text()
+        if when == "running":
+            assert run.text().count("stopped cleanly") == 2, run.text()
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
 def test_a_worker_that_cannot_start_stops_the_supervisor(backend, supervise, tmp_path):
     """A configuration error every child hits ends the run instead of a restart loop."""
     run = supervise(
@@ -166,6 +197,7 @@ if not flag.exists():
     flag.write_text("failed")
     sys.exit(1)  # the first start fails: the supervisor backs off before the next
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # as `delayedq worker` does
 while True:
     time.sleep(0.1)
 """
@@ -222,6 +254,7 @@ def test_a_worker_killed_by_a_signal_at_each_start_stops_the_supervisor(tmp_path
 WAITING_CHILD = """
 import os, pathlib, signal, sys, time
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # as `delayedq worker` does
 pathlib.Path(sys.argv[1], str(os.getpid())).touch()
 while True:
     time.sleep(0.1)
