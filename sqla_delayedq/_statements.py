@@ -477,14 +477,21 @@ def take_values(shape: Shape, lease_until: Any, prefix: Any) -> list[tuple[Any, 
 
     A take that follows an expired lease (the lock token is still set) counts the lost attempt
     (see :func:`~sqla_delayedq._rules.attempts_used_up`), so a row that keeps killing or hanging
-    its consumers ends up dead.
+    its consumers ends up dead. Where a status records the last attempt's outcome (entities),
+    it records that one's, failed: a row of a fresh run (see ``Shape.fresh_when_done``) given
+    back uncounted afterwards then keeps what it counted, where it started afresh again.
     """
-    attempts: Any = shape.attempts + lost_attempt(shape.token)
+    lost = lost_attempt(shape.token)
+    attempts: Any = shape.attempts + lost
+    values: list[tuple[Any, Any]] = []
     if shape.fresh_when_done:
         fresh = and_(shape.status == shape.done, shape.token.is_(None))
         attempts = case((fresh, 0), else_=attempts)
+        if shape.retrying is not None:  # after attempts, which reads the status (MySQL)
+            values.append((shape.status, case((lost == 1, shape.retrying), else_=shape.status)))
     return [
         (shape.attempts, attempts),
+        *values,
         (shape.due, lease_until),
         (shape.token, token_expr(shape, prefix)),
     ]

@@ -462,6 +462,8 @@ class EntityQueue(LeasedQueue[M]):
             lost = lost_token(prev_token)  # as the take's SET counted it (st.take_values)
             fresh = prev_token is None and entity.queue_status == EntityStatus.SUCCEEDED
             attempts = 0 if fresh else entity.queue_attempts + (0 if lost is None else 1)
+            if lost is not None:
+                set_committed_value(entity, "queue_status", EntityStatus.FAILED)
             set_committed_value(entity, "queue_next_attempt_at", until)
             set_committed_value(entity, "queue_lock_token", prefix)
             set_committed_value(entity, "queue_attempts", attempts)

@@ -692,6 +692,42 @@ def test_an_entity_that_succeeded_on_its_last_attempt_and_is_due_again_runs_a_fr
     assert (order.queue_next_attempt_at is not None) == (how == "lease")  # a retry is due
 
 
+def test_a_release_in_a_fresh_run_keeps_the_lost_attempt_its_take_counted(
+    db: Backend, clock: FakeClock
+) -> None:
+    """An entity due again after it succeeded runs afresh; its consumer died (the next take
+    counts the lost attempt), and that take's consumer gave it back uncounted (a stop). The
+    next take saw a succeeded row without a token and started the run afresh again, forgetting
+    the lost attempt: a handler that kills its worker between stops ran for ever. The take that
+    counts a lost attempt now records its outcome, failed, as the column's contract says."""
+    queue, order_id = two_attempts_one_order(db, clock)
+    with db.Session() as s, s.begin():
+        [lease] = queue.try_poll_many(s, 1)
+        queue.ack(s, lease)
+    with db.Session() as s, s.begin():
+        s.execute(
+            sa.update(Order).where(Order.id == order_id).values(queue_next_attempt_at=clock())
+        )
+    attempts: list[int] = []
+    with db.Session() as s, s.begin():
+        attempts += [e.attempt for e in queue.try_poll_many(s, 1)]  # its consumer dies
+    clock.advance(timedelta(minutes=1))
+    with db.Session() as s, s.begin():
+        [lease] = queue.try_poll_many(s, 1)
+        attempts.append(lease.attempt)
+        assert lease.payload.queue_status == EntityStatus.FAILED  # as the take wrote it
+        assert queue.release(s, lease)  # a stop gives it back, uncounted
+    with db.Session() as s, s.begin():
+        attempts += [e.attempt for e in queue.try_poll_many(s, 1)]  # its consumer dies again
+    assert attempts == [1, 2, 2]
+    clock.advance(timedelta(minutes=1))
+    with db.Session() as s, s.begin():
+        assert queue.try_poll_many(s, 1) == []  # out of attempts: failed, not delivered
+    order = row(db.Session, order_id)
+    assert (order.queue_status, order.queue_attempts) == (EntityStatus.FAILED, 2)
+    assert "lease ran out without an ack on 2 attempts" in (order.queue_last_error or "")
+
+
 def test_schedule_by_filter_starts_a_fresh_run_and_resets_the_lease(
     db: Backend, queue: EntityQueue[Order], clock: FakeClock
 ) -> None:
