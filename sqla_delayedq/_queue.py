@@ -50,10 +50,12 @@ def _envelope(
     prev_token: str | None,
     lock_token: str | None = None,
     lease_until: datetime | None = None,
+    attempts: int | None = None,
 ) -> Envelope[T]:
     """The envelope of a taken row; ``due_at`` and ``prev_token`` as they were before the take.
-    ``lock_token`` and ``lease_until`` are the row's own unless given (a consumed row has
-    neither: an empty token, and "until now")."""
+    ``lock_token``, ``lease_until`` and ``attempts`` (those used before this one) are the row's
+    own unless given (a consumed row has no token, is leased "until now", and its stored
+    attempts miss a lost lease's)."""
     return built(
         Envelope,
         id=row.id,
@@ -64,7 +66,7 @@ def _envelope(
         scheduled_at_initially=row.scheduled_at_initially,
         created_at=row.created_at,
         delivery=Delivery.FIRST if prev_token is None else Delivery.REDELIVERY,
-        attempt=row.attempts + 1,
+        attempt=(row.attempts if attempts is None else attempts) + 1,
         lock_token=row.lock_token if lock_token is None else lock_token,
         lease_until=row.scheduled_at if lease_until is None else lease_until,
         headers=decode_headers(row.headers),
@@ -370,12 +372,9 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
                 # The lease was committed apart: after a rollback the row is still under it,
                 # and record_failure finds the row by its token.
                 return envelopes
-            # As a consumed row's envelope (``_consumed``), and as record_failure's guard reads
-            # the row after a rollback: the take's count of a lost lease is rolled back with it.
-            return [
-                replace(e, lock_token="", attempt=e.attempt - (1 if e.redelivered else 0))
-                for e in envelopes
-            ]
+            # As a consumed row's envelope (``_consumed``): no token; record_failure finds the
+            # row as it was before the take (a lost lease's count rolled back with it).
+            return [replace(e, lock_token="") for e in envelopes]
         return [envelope for envelope, _ in self._consume_rows(session, n)]
 
     def _consume_rows(
@@ -445,8 +444,9 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
             self._put_back(session, row, row.attempts + 1, error, None, now)
             log_buried(session, self.name, row.key, error)
             return None
-        # Consumed: no lease and no token; the row's own due time and token are the "before".
-        return _envelope(row, payload, row.scheduled_at, lost, "", now)
+        # Consumed: no lease and no token; the row's own due time and token are the "before",
+        # and the attempt counts a lost lease's, as a lease take's does.
+        return _envelope(row, payload, row.scheduled_at, lost, "", now, attempts)
 
     def _put_back(
         self,
@@ -530,18 +530,16 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         """:meth:`process_next` under retention, where a handled message is kept as done, as
         :meth:`consume` keeps it: taken under a lease in the caller's transaction (the row lock
         keeps other consumers off it) and marked done by its ack, in that transaction. The
-        handler gets the envelope :meth:`consume` would give (no token; the attempt without a
-        lost lease's), which :meth:`record_failure` finds the row by after a rollback."""
+        handler gets the envelope :meth:`consume` would give (no token), which
+        :meth:`record_failure` finds the row by after a rollback."""
         taken = self.poll_batch(session, 1).envelopes
         if not taken:
             return None
         leased = taken[0]
-        envelope = replace(
-            leased, lock_token="", attempt=leased.attempt - (1 if leased.redelivered else 0)
-        )
+        envelope = replace(leased, lock_token="")
         savepoint, exc = run_in_savepoint(session, handler, envelope)
         if exc is not None:
-            return envelope, exc, self.nack(session, replace(leased, attempt=envelope.attempt), exc)
+            return envelope, exc, self.nack(session, leased, exc)
         # Refused only for the handler's own change to the row (an offer that updated it), as
         # a plain consume's removal would be: that change commits with its other writes.
         self.ack(session, leased)
@@ -566,6 +564,9 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         now = self.now()
         when = None if at is None else require_aware(at, "at")
         failure = after_failure(self.retry_policy, envelope.attempt, now, when)
+        # The attempts as before the take: a lost lease's, which the envelope's attempt counts,
+        # was rolled back with it (unless the take was a lease committed apart).
+        before = envelope.attempt - 1 - (envelope.redelivered and not envelope.lock_token)
         # Any take since the rollback moved scheduled_at (a lease) or removed the row; an offer
         # that changed it reset its attempts or changed its payload (the offer's own rule of
         # what is the same message), which only reading the row can tell.
@@ -577,7 +578,7 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
             t.c.lock_token == envelope.lock_token
             if envelope.lock_token
             else t.c.scheduled_at == envelope.scheduled_at,
-            t.c.attempts == envelope.attempt - 1,
+            t.c.attempts == before,
         ]
         found = session.execute(
             select(t.c.payload_type, t.c.payload, t.c.payload_bytes).where(*guard).with_for_update()

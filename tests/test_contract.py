@@ -663,13 +663,57 @@ def test_a_failure_after_a_rollback_is_recorded_for_a_message_whose_lease_ran_ou
     with pytest.raises(RuntimeError), backend.Session() as s, s.begin():
         (env,) = q.consume(s)
         raise RuntimeError("the handler failed: rolled back")
-    assert env.delivery is Delivery.REDELIVERY and env.attempt == 1
+    # The redelivery carries the next attempt (the lost one counted), as a lease take's does.
+    assert env.delivery is Delivery.REDELIVERY and env.attempt == 2
     with backend.Session() as s, s.begin():
         assert q.record_failure(s, env, "handler failed") is NackOutcome.RETRY_SCHEDULED
     with backend.Session() as s:
         info = q.get(s, "k")
-        assert info.attempts == 1 and info.last_error == "handler failed"
-        assert info.scheduled_at == clock() + timedelta(seconds=30)
+        assert info.attempts == 2 and info.last_error == "handler failed"
+        assert info.scheduled_at == clock() + timedelta(seconds=60)
+
+
+@pytest.mark.parametrize("how", ["process_one", "consume", "consume-retention", "consume-limited"])
+def test_a_transactional_failure_after_a_lost_lease_counts_both_attempts(
+    backend, make_queue, clock, how
+):
+    """A consumer took the message and died; a transactional take counted the lost attempt
+    (it buries a message whose lost lease was its last), but the failure its handler then
+    recorded counted only its own: with two attempts allowed, the message was due a third
+    time. Lease mode counts both, and so do entities."""
+    q = make_queue(
+        "lost-then-failed",
+        lease=timedelta(seconds=10),
+        retention=timedelta(days=1) if how == "consume-retention" else None,
+        retry=ExponentialBackoff(max_attempts=2, initial=timedelta(seconds=30), jitter=0),
+    )
+    with backend.Session() as s, s.begin():
+        q.offer(s, "k", 1)
+        if how == "consume-limited":
+            q.set_limits(s, max_in_flight=5)
+    with backend.Session() as s, s.begin():
+        assert q.try_poll(s) is not None  # taken by a consumer that dies
+    clock.advance(timedelta(seconds=11))
+    if how == "process_one":
+
+        def fail(env: Any, session: Any) -> None:
+            raise RuntimeError("the handler failed")
+
+        with backend.Session() as s, s.begin():
+            processed = q.process_one(s, fail)
+        assert processed is not None
+        env, outcome = processed[0], processed[2]
+    else:
+        with pytest.raises(RuntimeError), backend.Session() as s, s.begin():
+            (env,) = q.consume(s)
+            raise RuntimeError("the handler failed: rolled back")
+        with backend.Session() as s, s.begin():
+            outcome = q.record_failure(s, env, "the handler failed")
+    assert (env.delivery, env.attempt) == (Delivery.REDELIVERY, 2)
+    assert outcome is NackOutcome.DEAD
+    with backend.Session() as s:
+        info = q.get(s, "k")
+        assert (info.status, info.attempts) == ("dead", 2)
 
 
 def test_consume_buries_poison_and_goes_on(backend, make_queue, clock):
