@@ -1599,13 +1599,17 @@ class BaseWorker(Generic[S]):
         if sent is None:
             return self._settle(reg, env, "ack", [env]) or 0, None
         if self._settle(reg, env, "give back", sent):
-            # It took rows, so it committed, the acknowledgement with them.
+            # It took rows, so it committed, the acknowledgement with them, unless that matched
+            # nothing: an offer that updated the message holds it for this delivery, and only
+            # an acknowledgement ends the hold (else the new version waits for the old lease's
+            # end). The acknowledgement again does that, and nothing where the first matched.
             log.warning(
                 "acknowledging and taking on %s committed, though it raised (%s): the "
                 "messages it took are due again",
                 reg.source.name,
                 error,
             )
+            self._settle(reg, env, "ack", [env])
             return 1, None
         return self._settle(reg, env, "ack", [env], after_failure=True) or 0, None
 

@@ -3159,3 +3159,51 @@ def test_run_gives_the_process_back_its_own_signal_handlers(backend, kind):
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
+
+
+def test_a_fused_statement_that_failed_after_its_take_committed_ends_an_offer_s_hold(
+    pg, make_worker, monkeypatch
+):
+    """An offer updated a message while its handler ran (held for that delivery until the
+    handler's acknowledgement ends the hold). The acknowledgement rode in the statement that
+    also takes the next message, which committed and then raised as a lost connection does.
+    What it took was given back and the acknowledgement counted as made, so nothing ended the
+    hold: the new version waited for the old lease's end (five minutes here) to be delivered."""
+    import threading
+
+    from sqla_delayedq import controls
+
+    monkeypatch.setattr(controls, "REFRESH", 600.0)  # no controls read: the fused path
+    monkeypatch.setattr(controls, "MIN_REFRESH", 600.0)
+    real = PostgreSQLStrategy.ack_and_claim
+    updated = threading.Event()
+    fired: list[Any] = []
+
+    def committed_then_lost(self: Any, session: Session, *args: Any, **kw: Any) -> Any:
+        if updated.is_set() and not fired:
+            fired.append(real(self, session, *args, **kw))
+            raise TransientError("injected: the connection was lost after the commit")
+        return real(self, session, *args, **kw)
+
+    monkeypatch.setattr(PostgreSQLStrategy, "ack_and_claim", committed_then_lost)
+    q: DelayedQueue[Any] = DelayedQueue("fused-hold", lease=timedelta(minutes=5))
+    handled: list[tuple[str, int]] = []
+
+    def handle(env: Envelope[Any]) -> None:
+        if env.key == "a" and env.payload["v"] == 1:
+            with pg.Session() as s, s.begin():  # another process updates it meanwhile
+                q.offer(s, "a", {"v": 2})
+            updated.set()
+        handled.append((env.key, env.payload["v"]))
+
+    worker = make_worker(pg, concurrency=1, poll_interval=0.05, listen=False)
+    worker.register(q, handle, mode="lease")
+    with pg.Session() as s, s.begin():
+        q.offer(s, "a", {"v": 1}, at=datetime.now(timezone.utc) - timedelta(seconds=2))
+        q.offer(s, "b", {"v": 1}, at=datetime.now(timezone.utc) - timedelta(seconds=1))
+    with running(worker):
+        assert wait_for(lambda: ("a", 2) in handled and ("b", 1) in handled, 20), handled
+    [(acked, claims)] = fired
+    assert acked == 0 and len(claims.claimed) == 1  # the hold refused it; it took "b"
+    assert sorted(handled) == [("a", 1), ("a", 2), ("b", 1)]
+    assert pending(pg, q) == 0
