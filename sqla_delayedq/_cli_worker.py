@@ -260,7 +260,8 @@ def note_stop_signals(ctx: click.Context) -> None:
     noted: list[int] = ctx.meta.setdefault(STOP_NOTED, [])
     for sig in STOP_SIGNALS:
         signal.signal(sig, lambda signum, _: noted.append(signum))
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by the supervisor
+    if hasattr(signal, "pthread_sigmask"):  # POSIX: the supervisor blocked them
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def stop_if_noted(ctx: click.Context, worker: Any) -> None:
