@@ -24,7 +24,7 @@ import functools
 import inspect
 import logging
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any, Generic, TypeVar
 
@@ -339,6 +339,37 @@ def _cancelled_from_outside() -> bool:
     return cancelling is not None and cancelling() > 0
 
 
+async def _to_its_end(work: Coroutine[Any, Any, None]) -> asyncio.CancelledError | None:
+    """Run ``work`` in a task of its own to its end, whatever cancellations the awaiting task
+    gets meanwhile (anyio delivers one again at each of its awaits until it ends); the last
+    of them, for the caller to raise once ``work`` is done."""
+    inner = asyncio.ensure_future(work)
+    cancelled: asyncio.CancelledError | None = None
+    while True:
+        try:
+            await asyncio.shield(inner)
+            return cancelled
+        except asyncio.CancelledError as exc:
+            if inner.done():  # ``work`` itself was cancelled, more than it could absorb
+                return exc
+            cancelled = exc
+
+
+async def _again_if_cancelled(step: Callable[[], Awaitable[Any]], tries: int = 3) -> None:
+    """Await ``step()``, and again (up to ``tries`` in all) when a cancellation cut it short;
+    the task's cancellation is then withdrawn (``uncancel``), as it was absorbed."""
+    for attempt in range(tries):
+        try:
+            await step()
+            return
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            if attempt == tries - 1:
+                raise
+
+
 def _resolve(wakeup: asyncio.Future[None]) -> bool:
     """Wake one waiter; False when it no longer waits (timed out or cancelled)."""
     if wakeup.done():
@@ -542,12 +573,10 @@ class AsyncWorker(BaseWorker[async_sessionmaker[AsyncSession]]):
                 except asyncio.CancelledError as exc:  # cancelled again while draining
                     cancelled = exc
                     pending = {t for t in tasks if not t.done()}
-                for t in pending:
-                    t.cancel()
-                await asyncio.gather(*pending, return_exceptions=True)
-                rt.mark_drained()  # the heartbeat kept the drained handlers' leases until now
-                await greenlet_spawn(self._release_in_flight)
-                await greenlet_spawn(self._stop_periodic)
+                # Whatever cancellation comes now (anyio's comes again at every await until
+                # the task ends): cut short, the release left what handlers still held
+                # leased under tokens nobody held, and the lease's end counted an attempt.
+                cancelled = await _to_its_end(self._wind_down(rt, pending)) or cancelled
                 log.info("%s stopped (%d tasks did not finish in time)", self.name, len(pending))
                 if cancelled is not None:
                     raise cancelled
@@ -563,6 +592,18 @@ class AsyncWorker(BaseWorker[async_sessionmaker[AsyncSession]]):
                     fn()
                 if listener is not None:
                     await asyncio.to_thread(listener.stop)
+
+    async def _wind_down(self, rt: AsyncRuntime, pending: set[asyncio.Task[Any]]) -> None:
+        """After the drain: cancel the consumers it left (each gives back what it took and
+        has not started), release what handlers still hold, stop the periodic tasks. Each
+        step is made again after a cancellation: ``asyncio.run``'s end cancels every task."""
+        for t in pending:
+            t.cancel()
+        if pending:
+            await _again_if_cancelled(lambda: asyncio.wait(pending))
+        rt.mark_drained()  # the heartbeat kept the drained handlers' leases until now
+        await _again_if_cancelled(lambda: greenlet_spawn(self._release_in_flight))
+        await _again_if_cancelled(lambda: greenlet_spawn(self._stop_periodic))
 
     def _slots(self) -> range:
         return range(self.concurrency)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import subprocess
 import sys
@@ -690,6 +691,66 @@ def test_a_cancelled_asyncio_process_due_gives_back_a_running_handlers_message_a
         assert info.scheduled_at is not None and info.scheduled_at >= before + lease
     finally:
         done.set()
+
+
+@pytest.mark.parametrize("how", ["cancelled three times", "an anyio task group"])
+def test_an_asyncio_run_cancelled_again_and_again_releases_what_its_handlers_hold(
+    server_backend, how
+):
+    """``run()`` cancelled more than once: by ``task.cancel()`` again while it stops, or by an
+    anyio task group (Starlette's and FastAPI's lifespans), whose cancellation comes again at
+    every await until the task ends. The third cut the stop short before it released what the
+    cut-off handlers held: the rows stayed leased under tokens nobody held, and the lease's
+    end counted an attempt (dead, with one allowed, though no handler had finished)."""
+    import anyio
+
+    retry = ExponentialBackoff(max_attempts=1, initial=timedelta(hours=1), jitter=0)
+    lease = timedelta(minutes=5)
+    q: DelayedQueue[Any] = DelayedQueue("cancelled-again", lease=lease, retry=retry)
+    keys = [f"m{i}" for i in range(4)]
+    with server_backend.Session() as s, s.begin():
+        q.offer_batch(s, [(k, {}) for k in keys])
+    started: list[str] = []
+    runner = AsyncRunner(server_backend, concurrency=4, listen=False, keep_statistics=False)
+
+    async def handle(env: Envelope[Any]) -> None:
+        started.append(env.key)
+        await asyncio.sleep(60)
+
+    runner.worker.register(q, handle, mode="lease")
+
+    async def all_started() -> None:
+        while len(started) < len(keys):
+            await asyncio.sleep(0.02)
+
+    async def main() -> None:
+        run = functools.partial(runner.worker.run, install_signal_handlers=False)
+        try:
+            if how == "an anyio task group":
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(run)
+                    await asyncio.wait_for(all_started(), 20)
+                    tg.cancel_scope.cancel()
+            else:
+                task = asyncio.create_task(run())
+                await asyncio.wait_for(all_started(), 20)
+                for _ in range(3):
+                    task.cancel()
+                    await asyncio.sleep(0)
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+        finally:
+            await runner.engine.dispose()
+
+    before = datetime.now(timezone.utc)
+    asyncio.run(main())
+    assert runner.worker.in_flight == 0
+    with server_backend.Session() as s:
+        for key in keys:  # released a lease from now (a handler may still run), uncounted
+            info = q.get(s, key)
+            assert info is not None and info.status == "pending", key
+            assert (info.lock_token, info.attempts) == (None, 0), key
+            assert info.scheduled_at is not None and info.scheduled_at >= before + lease
 
 
 def limited_queue(backend: Any, name: str, lease: timedelta) -> DelayedQueue[Any]:
