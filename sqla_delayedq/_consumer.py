@@ -1222,6 +1222,14 @@ class BaseWorker(Generic[S]):
                 exc,
                 given,
             )
+        if acks:
+            log.warning(
+                "acknowledging on %s was interrupted (%r): the acknowledgement of %d "
+                "message(s) was made again",
+                source.name,
+                exc,
+                len(acks),
+            )
 
     def _autocommit_session(self) -> Session | None:
         """An :class:`AloneSession` for statements that commit on their own, where the
@@ -1418,7 +1426,15 @@ class BaseWorker(Generic[S]):
             self._fail(exc, f"the handler of {reg.source.name}")
             return None
         else:
-            after = self._succeeded(reg, envs, started, then)
+            try:
+                after = self._succeeded(reg, envs, started, then)
+            except BaseException as exc:
+                # Interrupted while it acknowledged (the asyncio stop's cancel as the statement
+                # awaited its reply, Ctrl-C): the handlers succeeded, and the acknowledgement
+                # may not have committed. Made again; else the stop released the messages, and
+                # they ran again without a word.
+                self._give_back_interrupted(reg, exc, (), acks=self._in_flight.current(reg, envs))
+                raise
         self._in_flight.pop(reg, *envs)
         return after
 
@@ -1482,9 +1498,9 @@ class BaseWorker(Generic[S]):
                 self.hooks.db_error(exc)
                 taken = (got, taken[1])
             except BaseException as exc:
-                # Its commit may have happened, or not: what it took is given back, and the
-                # acknowledgement made (again).
-                self._give_back_interrupted(reg, exc, taken[0], acks=envs)
+                # Its commit may have happened, or not: what it took is given back (and the
+                # acknowledgement made again, by _handle).
+                self._give_back_interrupted(reg, exc, taken[0])
                 raise
             # In flight from its commit on, so a stop that comes first releases them.
             self._in_flight.add(reg, *taken[0])
@@ -1556,8 +1572,8 @@ class BaseWorker(Generic[S]):
                 exc,
             )
         except BaseException as exc:
-            if got is None:  # the statement's outcome is unknown: the ack is made again
-                self._give_back_interrupted(reg, exc, [], s.info.get(FUSED), [env])
+            if got is None:  # the statement's outcome is unknown (_handle acks again)
+                self._give_back_interrupted(reg, exc, [], s.info.get(FUSED))
             else:
                 self._give_back_interrupted(reg, exc, got[1].envelopes)
             raise

@@ -753,6 +753,50 @@ def test_an_asyncio_run_cancelled_again_and_again_releases_what_its_handlers_hol
             assert info.scheduled_at is not None and info.scheduled_at >= before + lease
 
 
+def test_a_stop_that_cancels_an_asyncio_acknowledgement_makes_it_again(server_backend):
+    """The asyncio stop (a drain timeout of 0) cancelled a consumer while its succeeded
+    handler's acknowledgement awaited its reply (here: another transaction holds the row). The
+    acknowledgement was dropped and the stop released the message, which ran again a lease
+    later without a word (1 in 40 stops on PostgreSQL, 11 in 40 on MariaDB, in review)."""
+    q: DelayedQueue[Any] = DelayedQueue("ack-cancelled", lease=timedelta(seconds=2))
+    offer(server_backend, q, "m")
+    table = cast(sa.Table, DelayedMessage.__table__)
+    locked, handled = threading.Event(), threading.Event()
+    runs: list[str] = []
+
+    def hold_the_row() -> None:
+        with server_backend.engine.connect() as conn:
+            conn.execute(sa.select(table.c.id).where(table.c.key == "m").with_for_update())
+            locked.set()
+            time.sleep(1.5)
+            conn.rollback()
+
+    async def handle(env: Envelope[Any]) -> None:
+        runs.append(env.key)
+        threading.Thread(target=hold_the_row, daemon=True).start()
+        await asyncio.to_thread(locked.wait, 10)
+        handled.set()
+
+    runner = AsyncRunner(
+        server_backend, concurrency=1, drain_timeout=0, listen=False, keep_statistics=False
+    )
+    runner.worker.register(q, handle, mode="lease")
+
+    async def main() -> bool:
+        task = asyncio.create_task(runner.worker.run(install_signal_handlers=False))
+        try:
+            assert await asyncio.to_thread(handled.wait, 20)
+            await asyncio.sleep(0.3)  # its acknowledgement waits for the row
+            runner.worker.request_stop()
+            return await task
+        finally:
+            await runner.engine.dispose()
+
+    asyncio.run(main())
+    assert runs == ["m"]
+    assert pending(server_backend, q) == 0  # acknowledged, not released to run again
+
+
 def limited_queue(backend: Any, name: str, lease: timedelta) -> DelayedQueue[Any]:
     """A queue with one attempt allowed, a limit (its transactional take is a lease committed
     apart, on a server) and one message ``m``."""
