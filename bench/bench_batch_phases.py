@@ -24,7 +24,7 @@ import json
 import statistics
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             add("ours: after the insert (client)", (returned - insert_back) * 1e3)
             add("ours: commit", (ended - returned) * 1e3)
 
-            now = datetime.now(timezone.utc)
+            now = datetime.now(UTC)
             params = {"u_queue": QUEUE, "u_type": "json", "u_now": now}
             params |= {f"u_{name}": None for name in st.RECORDSET_COLUMNS}
             params["u_k"] = json.dumps([f"s-{i}" for i in keys])
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             add("our statement alone (bare psycopg)", (time.perf_counter() - started) * 1e3)
 
             cpu, started = time.process_time(), time.perf_counter()
-            now = datetime.now(timezone.utc)
+            now = datetime.now(UTC)
             doc = json.dumps([{"k": f"r-{i}", "p": payload(i)} for i in keys])
             with raw.transaction():
                 written = raw.execute(INSERT_MANY, (QUEUE, now, now, now, doc)).fetchall()

@@ -40,7 +40,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +75,7 @@ def _limits(setting: str) -> dict[str, Any] | None:
 
 def _fill(sessions: Any, queue: Any, n: int, boosted: bool = False) -> None:
     """``n`` due messages; with ``boosted``, every tenth with priority 5."""
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     for start in range(0, n, 5000):
         indexes = range(start, min(n, start + 5000))
         with sessions.begin() as s:

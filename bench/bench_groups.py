@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import UTC
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +82,7 @@ def drain(
     analyze: bool = False,
 ) -> float:
     """One run: messages per second from the offer's commit to the last acknowledgement."""
-    from datetime import datetime, timedelta, timezone
+    from datetime import datetime, timedelta
 
     from sqla_delayedq import DelayedQueue, create_engine
 
@@ -96,7 +97,7 @@ def drain(
                 raise RuntimeError(f"the workers did not start:\n{log.read_text()}")
             time.sleep(0.05)
         queue: DelayedQueue[Any] = DelayedQueue(QUEUE, groups=True)
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         messages = [
             (
                 f"g{g:04d}/{i:03d}",

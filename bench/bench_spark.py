@@ -42,7 +42,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         spark.sparkContext.setLogLevel("ERROR")
         spark.range(1000).count()  # JVM and Python workers up before any clock starts
 
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
 
         def job(count: int, queue: str) -> tuple[Any, Any, Any]:
             """The reminders, and the same rows for the two other writers: times as

@@ -17,7 +17,7 @@ import secrets
 import statistics
 import time
 import warnings
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
@@ -33,7 +33,7 @@ with warnings.catch_warnings():
 
 from sqla_delayedq.web import dashboard
 
-UTC = timezone.utc
+UTC = UTC
 TOKEN = "bench"
 TARGET_MS = 300.0
 

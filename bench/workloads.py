@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +57,7 @@ def _fill(url: URL, n: int) -> None:
     engine = create_engine(url)
     sessions = sessionmaker(engine)
     q = DelayedQueue(QUEUE)
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     for start in range(0, n, 5000):
         with sessions.begin() as s:
             q.offer_batch(
@@ -117,7 +117,7 @@ def _drain_processes(
                 time.sleep(0.05)
             pids = [int(p) for p in os.listdir(ready)]
             time.sleep(0.5)  # their consumer threads start and find the queue empty
-            now = datetime.now(timezone.utc)
+            now = datetime.now(UTC)
             with sessions.begin() as s:
                 for start in range(0, n, 5000):
                     q.offer_batch(
@@ -185,7 +185,7 @@ def _e0(
 
     def one(i: int) -> None:
         with sessions.begin() as s:
-            s.execute(insert, {"customer": f"c{i}", "created_at": datetime.now(timezone.utc)})
+            s.execute(insert, {"customer": f"c{i}", "created_at": datetime.now(UTC)})
             offer(s, q, i)
 
     one(-1)  # connect and warm the statement caches outside the timing
@@ -207,7 +207,7 @@ def hand_e0(url: URL, backend: str, n: int) -> Measure:
     table = metadata.tables["delayed_queue"]
 
     def offer(s: Any, q: DelayedQueue, i: int) -> None:
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         s.execute(
             table.insert(),
             {
@@ -266,11 +266,11 @@ def base_e1(url: URL, backend: str, n: int) -> Measure:
         " %s, %s, %s, 0) ON CONFLICT (queue, key) DO NOTHING"
     )
     with psycopg.connect(_libpq(url), autocommit=True) as conn:
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         conn.execute(sql, (QUEUE, "warm-up", Jsonb(payload(-1)), now, now, now))
         with Meter(backend) as m:
             for i in range(n):
-                now = datetime.now(timezone.utc)
+                now = datetime.now(UTC)
                 conn.execute(sql, (QUEUE, f"e1-{i}", Jsonb(payload(i)), now, now, now))
     return m.result(n)
 
@@ -302,7 +302,7 @@ def base_e2(url: URL, backend: str, n: int, batch: int = 1000) -> Measure:
     )
     with psycopg.connect(_libpq(url)) as conn, Meter(backend) as m:
         for start in range(0, n, batch):
-            now = datetime.now(timezone.utc)
+            now = datetime.now(UTC)
             with conn.transaction(), conn.cursor().copy(copy) as cp:
                 for i in range(start, start + batch):
                     cp.write_row(
@@ -429,7 +429,7 @@ def _consumers(
 
 def _base_drain(url: URL, backend: str, n: int, consumers: int, batch: int) -> Measure:
     def take(conn: Any) -> int:
-        return len(conn.execute(BASE_TAKE, (QUEUE, datetime.now(timezone.utc), batch)).fetchall())
+        return len(conn.execute(BASE_TAKE, (QUEUE, datetime.now(UTC), batch)).fetchall())
 
     return _drain(url, backend, n, consumers, take, autocommit=True)
 
@@ -500,9 +500,7 @@ def base_l1(url: URL, backend: str, n: int, rate: float = 200.0) -> Measure:
                 for _ in conn.notifies(timeout=0.2, stop_after=1):
                     break
                 while True:
-                    rows = conn.execute(
-                        BASE_TAKE, (QUEUE, datetime.now(timezone.utc), 1)
-                    ).fetchall()
+                    rows = conn.execute(BASE_TAKE, (QUEUE, datetime.now(UTC), 1)).fetchall()
                     if not rows:
                         break
                     started[rows[0][2]["user_id"]] = time.perf_counter()
@@ -522,7 +520,7 @@ def base_l1(url: URL, backend: str, n: int, rate: float = 200.0) -> Measure:
             delay = t0 + i / rate - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
-            now = datetime.now(timezone.utc)
+            now = datetime.now(UTC)
             with conn.transaction():
                 conn.execute(insert, (QUEUE, f"l1-{i}", Jsonb(payload(i)), now, now, now))
                 conn.execute("NOTIFY delayedq_bench")
@@ -548,12 +546,12 @@ def contract_e1(url: URL, backend: str, n: int) -> Measure:
     from psycopg.types.json import Jsonb
 
     with psycopg.connect(_libpq(url)) as conn:
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         with conn.transaction():
             conn.execute(INSERT_ONE, (QUEUE, "warm-up", Jsonb(payload(-1)), now, now, now))
         with Meter(backend) as m:
             for i in range(n):
-                now = datetime.now(timezone.utc)
+                now = datetime.now(UTC)
                 with conn.transaction():
                     conn.execute(INSERT_ONE, (QUEUE, f"e1-{i}", Jsonb(payload(i)), now, now, now))
     return m.result(n)
@@ -576,7 +574,7 @@ def contract_e2(url: URL, backend: str, n: int, batch: int = 1000) -> Measure:
 
     with psycopg.connect(_libpq(url)) as conn, Meter(backend) as m:
         for start in range(0, n, batch):
-            now = datetime.now(timezone.utc)
+            now = datetime.now(UTC)
             doc = json.dumps(
                 [{"k": f"e2-{i}", "p": payload(i)} for i in range(start, start + batch)]
             )
@@ -592,7 +590,7 @@ def contract_c1(url: URL, backend: str, n: int, consumers: int = 4) -> Measure:
 
     def take(conn: Any) -> int:
         with conn.transaction():
-            rows = conn.execute(BASE_TAKE, (QUEUE, datetime.now(timezone.utc), 1)).fetchall()
+            rows = conn.execute(BASE_TAKE, (QUEUE, datetime.now(UTC), 1)).fetchall()
             if rows:
                 with conn.transaction():  # SAVEPOINT ... RELEASE around the handler
                     pass
@@ -614,7 +612,7 @@ def contract_c2(url: URL, backend: str, n: int, consumers: int = 4, batch: int =
     import secrets
 
     def take(conn: Any) -> int:
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         lease = (now + timedelta(minutes=5), secrets.token_hex(12) + ".", QUEUE, now, batch)
         with conn.transaction():
             rows = conn.execute(LEASE_TAKE, lease).fetchall()
@@ -650,7 +648,7 @@ FLOOR_INSERT_MANY = sa.text(
 
 
 def _floor_params(key: str, value: dict[str, Any]) -> dict[str, Any]:
-    return {"queue": QUEUE, "key": key, "payload": value, "now": datetime.now(timezone.utc)}
+    return {"queue": QUEUE, "key": key, "payload": value, "now": datetime.now(UTC)}
 
 
 def floor_e1(url: URL, backend: str, n: int) -> Measure:
@@ -690,7 +688,7 @@ def floor_e2(url: URL, backend: str, n: int, batch: int = 1000) -> Measure:
     sessions = sessionmaker(engine)
     with Meter(backend) as m:
         for start in range(0, n, batch):
-            now = datetime.now(timezone.utc)
+            now = datetime.now(UTC)
             doc = json.dumps(
                 [{"k": f"e2-{i}", "p": payload(i)} for i in range(start, start + batch)]
             )
@@ -739,7 +737,7 @@ def floor_c1(url: URL, backend: str, n: int, consumers: int = 4) -> Measure:
 
     def take(sessions: Any) -> int:
         with sessions.begin() as s:
-            params = {"queue": QUEUE, "now": datetime.now(timezone.utc), "limit": 1}
+            params = {"queue": QUEUE, "now": datetime.now(UTC), "limit": 1}
             rows = s.execute(FLOOR_TAKE, params).all()
             if rows:
                 with s.begin_nested():
@@ -755,7 +753,7 @@ def floor_c2(url: URL, backend: str, n: int, consumers: int = 4, batch: int = 10
     import secrets
 
     def take(sessions: Any) -> int:
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         lease = {
             "until": now + timedelta(minutes=5),
             "prefix": secrets.token_hex(12) + ".",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import String, func, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
@@ -39,7 +39,7 @@ def main(url: str) -> int:
     emails = DelayedQueue("emails")
 
     # 1. Enqueue inside the application's transaction: the order and its e-mail commit together.
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     with sessions.begin() as session:
         for i, customer in enumerate(["ada", "grace", "linus"]):
             order = Order(customer=customer)
@@ -71,7 +71,7 @@ def main(url: str) -> int:
     done = threading.Event()
 
     def send_email(envelope: Envelope[dict[str, object]]) -> None:
-        late_ms = (datetime.now(timezone.utc) - envelope.scheduled_at).total_seconds() * 1000
+        late_ms = (datetime.now(UTC) - envelope.scheduled_at).total_seconds() * 1000
         delivered.append((envelope.key, str(envelope.payload["to"]), f"{late_ms:.0f} ms"))
         if len(delivered) == 3:
             done.set()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any, NamedTuple
 
 import click
@@ -36,7 +36,7 @@ from ._cli_target import open_db
 from ._time import LONGEST, require_duration
 from ._types import MessageFilter
 
-UTC = timezone.utc
+UTC = UTC
 CHUNK = 1000
 
 #: Applies a change to the messages of one chunk; returns how many changed.

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any, NoReturn, TypeVar, cast
 
 import click
@@ -49,7 +49,7 @@ TABLE_ENV_VAR = "DELAYEDQ_TABLE"
 APP_ENV_VAR = "DELAYEDQ_APP"
 DEBUG_ENV_VAR = "DELAYEDQ_DEBUG"
 INSTALL_HINT = "pip install 'sqla_delayedq[cli]'"
-UTC = timezone.utc
+UTC = UTC
 
 # -- errors ------------------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import io
 import sys
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import click
@@ -36,7 +36,7 @@ from ._cli_base import (
 )
 from ._cli_target import open_db
 
-UTC = timezone.utc
+UTC = UTC
 
 # -- cron --------------------------------------------------------------------------------------
 

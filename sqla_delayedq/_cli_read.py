@@ -7,7 +7,7 @@ import json
 import signal
 import time
 from collections.abc import Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import click
@@ -39,7 +39,7 @@ from ._cli_stats import STATES, QueueStats, queue_stats
 from ._cli_target import open_db
 from ._types import MessageFilter, MessageInfo
 
-UTC = timezone.utc
+UTC = UTC
 
 # -- stats -------------------------------------------------------------------------------------
 

@@ -58,7 +58,7 @@ from ._wakeup import Wake, sent_alone
 from .errors import InvalidArgument, WorkerError
 
 if TYPE_CHECKING:
-    from typing_extensions import Self
+    from typing import Self
 
     from .cron import CronService
     from .retry import RetryPolicy

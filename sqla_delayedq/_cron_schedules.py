@@ -30,7 +30,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from datetime import date, datetime, time, timedelta, timezone
+from datetime import UTC, date, datetime, time, timedelta
 from typing import Any, ClassVar
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -39,7 +39,7 @@ from .errors import InvalidArgument
 
 __all__ = ["CronSchedule", "DailySchedule", "PeriodicTick", "Schedule"]
 
-UTC = timezone.utc
+UTC = UTC
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _MICRO = timedelta(microseconds=1)
 _SECOND = timedelta(seconds=1)

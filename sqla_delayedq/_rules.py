@@ -9,7 +9,7 @@ Single offers, batch offers and cron write rows through :func:`new_row` and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from ._types import OfferMode
@@ -163,7 +163,7 @@ def offer_changes(
 
 #: The mark of a held lock token: ``~<due in µs since the epoch, or nothing>~<old token>``.
 HELD = "~"
-_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _MICRO = timedelta(microseconds=1)
 
 
@@ -269,7 +269,7 @@ def after_failure(
 
 
 #: The latest time a datetime holds, and a retry can be due at.
-LATEST = datetime.max.replace(tzinfo=timezone.utc)
+LATEST = datetime.max.replace(tzinfo=UTC)
 
 
 def attempts_used_up(prev_token: str | None, attempts: int, policy: RetryPolicy) -> str | None:

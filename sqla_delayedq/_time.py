@@ -9,7 +9,7 @@ re-offer compares equal.
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import datetime, timedelta, timezone, tzinfo
+from datetime import UTC, datetime, timedelta, tzinfo
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -21,7 +21,7 @@ from sqlalchemy.types import TypeDecorator
 from ._engine import Family, family
 from .errors import InvalidArgument
 
-UTC = timezone.utc
+UTC = UTC
 
 
 def _utc_zones() -> frozenset[tzinfo]:

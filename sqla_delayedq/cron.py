@@ -47,7 +47,7 @@ import re
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Table, and_, case, delete, func, literal_column, select, update
@@ -88,7 +88,7 @@ __all__ = [
 
 logger = logging.getLogger("sqla_delayedq.cron")
 
-UTC = timezone.utc
+UTC = UTC
 HASH_LEN = 12
 STAMP_FORMAT = "%Y%m%dT%H%M%SZ"
 STAMP_LEN = 16

@@ -42,7 +42,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import delete, insert, inspect, or_, update
@@ -64,7 +64,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("sqla_delayedq.monitor")
-UTC = timezone.utc
+UTC = UTC
 
 #: Seconds between two heartbeats, by default.
 DEFAULT_HEARTBEAT = 10.0

@@ -29,7 +29,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import sqlalchemy as sa
@@ -68,7 +68,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-UTC = timezone.utc
+UTC = UTC
 
 #: Where a :class:`ManualClock` starts unless told: fixed, so runs repeat exactly (with
 #: microseconds, so precision bugs show).

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +121,7 @@ def note(text: str) -> None:
 
 def record(envelope: Envelope[Any]) -> None:
     """``handled KEY TYPE TOTAL LEASE_SECONDS``; raises for keys starting ``fail/``."""
-    lease_left = (envelope.lease_until - datetime.now(timezone.utc)).total_seconds()
+    lease_left = (envelope.lease_until - datetime.now(UTC)).total_seconds()
     payload = envelope.payload
     total = getattr(payload, "total_cents", "-")
     note(f"handled {envelope.key} {type(payload).__name__} {total} {lease_left:.0f}")

@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 from unittest.mock import ANY
@@ -32,7 +32,7 @@ from sqla_delayedq.cli import cli
 from sqla_delayedq.entity import EntityQueue
 from tests.fix_db import Backend
 
-UTC = timezone.utc
+UTC = UTC
 REPO = Path(__file__).resolve().parents[1]
 
 on_pg_and_sqlite = pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indirect=True)

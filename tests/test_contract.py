@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 import pytest
@@ -859,12 +859,12 @@ def test_drop_where_with_only_an_sql_condition(backend, make_queue):
 
 
 def test_offer_batch_of_bytes_and_exact_times(backend, make_queue, clock):
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     from sqla_delayedq import BytesSerializer
 
     q = make_queue(serializer=BytesSerializer())
-    at = datetime(2031, 1, 2, 3, 4, 5, 678901, tzinfo=timezone.utc)
+    at = datetime(2031, 1, 2, 3, 4, 5, 678901, tzinfo=UTC)
     with backend.Session() as s, s.begin():
         results = q.offer_batch(s, [("a", b"\x00\x01raw", at), ("b", b"", at)])
         assert [r.outcome for r in results] == [Outcome.CREATED, Outcome.CREATED]
@@ -1148,7 +1148,7 @@ def test_a_hold_for_a_time_before_the_epoch_still_holds(backend, make_queue, clo
         q.offer(s, "k", {"v": 1})
     with backend.Session() as s, s.begin():
         old = q.try_poll(s)
-    early = datetime(1900, 1, 1, tzinfo=timezone.utc)
+    early = datetime(1900, 1, 1, tzinfo=UTC)
     with backend.Session() as s, s.begin():
         q.offer(s, "k", {"v": 2}, early)
         q.offer(s, "k", {"v": 3}, early + timedelta(days=1))

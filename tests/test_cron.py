@@ -13,7 +13,7 @@ import re
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
-from datetime import datetime, time, timedelta, timezone
+from datetime import UTC, datetime, time, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -44,7 +44,7 @@ from sqla_delayedq.serializers import BytesSerializer
 from tests.fix_db import Backend
 from tests.fix_queue import FakeClock
 
-UTC = timezone.utc
+UTC = UTC
 T0 = datetime(2030, 1, 1, 12, 0, 0, 123456, tzinfo=UTC)  # FakeClock's default start
 HOUR = timedelta(hours=1)
 BUCHAREST = "Europe/Bucharest"

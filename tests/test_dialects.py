@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 import pytest
@@ -24,7 +24,7 @@ from sqla_delayedq._dialects import (
 from sqla_delayedq.testing import memory_engine
 
 T = cast(sa.Table, DelayedMessage.__table__)
-NOW = datetime(2030, 1, 1, tzinfo=timezone.utc)
+NOW = datetime(2030, 1, 1, tzinfo=UTC)
 
 
 def dialect_with(dialect, version):
@@ -102,9 +102,9 @@ def test_the_database_servers_clock_is_read_now_and_in_utc(server_backend):
         time.sleep(0.05)
         second = strategy.server_now(s)
     assert first is not None and second is not None
-    assert first.tzinfo is timezone.utc
+    assert first.tzinfo is UTC
     assert second - first >= timedelta(seconds=0.04)  # in one transaction
-    assert abs(datetime.now(timezone.utc) - second) < timedelta(seconds=1)
+    assert abs(datetime.now(UTC) - second) < timedelta(seconds=1)
     engine = memory_engine()
     with Session(engine) as s:
         assert strategy_for(s).server_now(s) is None

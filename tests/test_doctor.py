@@ -10,7 +10,7 @@ import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -168,7 +168,7 @@ def test_doctor_reports_how_far_this_hosts_clock_is_from_the_servers(server_back
     report = json.loads(invoke(url, "doctor", "--json").stdout)
     assert abs(report["clock_skew_seconds"]) < 1
 
-    fast = lambda: datetime.now(timezone.utc) + timedelta(minutes=10)  # noqa: E731
+    fast = lambda: datetime.now(UTC) + timedelta(minutes=10)  # noqa: E731
     monkeypatch.setattr(_skew, "system_clock", fast)
     with server_backend.engine.connect() as conn:
         found = diagnose(conn, ["delayed_queue"])

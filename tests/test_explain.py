@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import cast
 
 import psycopg.sql
@@ -350,7 +350,7 @@ def test_a_grouped_take_in_a_burst_steps_over_busy_groups_by_one_read_of_the_lea
 def test_a_grouped_take_in_a_burst_probes_each_group_once_on_mariadb(mariadb):
     """MariaDB caches a correlated subquery's answer by its outer values: the group probe runs
     once per group the walk meets, not once per row behind a head in flight."""
-    now = datetime.now(timezone.utc).replace(microsecond=0)
+    now = datetime.now(UTC).replace(microsecond=0)
     burst_with_heads_in_flight(mariadb, now)
     strategy = MariaDBStrategy(mariadb.engine.dialect)
     for transactional in (False, True):
@@ -658,7 +658,7 @@ def test_a_bounded_count_reads_at_most_cap_plus_one_rows_of_each_range(pg):
         fill_depth(conn)
     with pg.engine.begin() as conn:
         conn.exec_driver_sql("ANALYZE delayed_queue")
-    stmt = bounded_stats_stmt(T, ["q"], datetime.now(timezone.utc), CAP)
+    stmt = bounded_stats_stmt(T, ["q"], datetime.now(UTC), CAP)
     with pg.engine.connect() as conn:
         assert_each_read_stops_at_the_cap(explain_analyze(conn, stmt))
 
@@ -670,7 +670,7 @@ def test_a_bounded_count_stops_at_the_cap_under_a_generic_plan(pg):
         fill_depth(conn)
     with pg.engine.begin() as conn:
         conn.exec_driver_sql("ANALYZE delayed_queue")
-    stmt = bounded_stats_stmt(T, ["q"], datetime.now(timezone.utc), CAP)
+    stmt = bounded_stats_stmt(T, ["q"], datetime.now(UTC), CAP)
     # $1, $2, ... placeholders
     compiled = stmt.compile(dialect=asyncpg.dialect(), compile_kwargs={"render_postcompile": True})
     with pg.engine.connect() as conn:
@@ -695,7 +695,7 @@ def test_a_bounded_count_stops_at_the_cap_on_mariadb(mariadb):
     rows without a schedule are ordered by id there, since it would sort the whole range for
     ``scheduled_at, id`` (``IS NULL`` is no constant for its ORDER BY); and the leases come from
     the lock-token index, not from a scan of another index in GROUP BY order."""
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     q = DelayedQueue[dict]("q")
     with mariadb.Session() as s, s.begin():
         q.offer_batch(s, [(f"d{i}", {}, now - timedelta(seconds=i + 1)) for i in range(1000)])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -23,7 +23,7 @@ from tests.fix_db import Backend
 from tests.fix_workers import running
 from tests.test_worker import wait_for
 
-UTC = timezone.utc
+UTC = UTC
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
 
 

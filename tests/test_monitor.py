@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from tests.fix_db import Backend
 from tests.fix_workers import AsyncRunner, running
 
 REPO = Path(__file__).resolve().parents[1]
-UTC = timezone.utc
+UTC = UTC
 HEARTBEAT = 0.3
 
 

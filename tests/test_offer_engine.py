@@ -10,7 +10,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 import psycopg
@@ -57,9 +57,9 @@ def test_an_offer_on_an_engine_commits_on_its_own_with_every_outcome(backend, ma
     later = clock() + timedelta(minutes=5)
     assert q.offer(engine, "k1", {"n": 4}, later, mode="keep_schedule").outcome is Outcome.UPDATED
     row = stored(backend, "k1")
-    assert row.payload == {"n": 4} and row.scheduled_at.replace(tzinfo=timezone.utc) < later
+    assert row.payload == {"n": 4} and row.scheduled_at.replace(tzinfo=UTC) < later
     assert q.offer(engine, "k2", {"n": 5}, later).outcome is Outcome.CREATED
-    assert stored(backend, "k2").scheduled_at.replace(tzinfo=timezone.utc) == later
+    assert stored(backend, "k2").scheduled_at.replace(tzinfo=UTC) == later
     generated = q.offer(engine, None, {"n": 6})
     assert generated.outcome is Outcome.CREATED and stored(backend, generated.key) is not None
     with backend.Session() as s:

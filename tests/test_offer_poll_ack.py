@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import pickle
 from collections.abc import Callable, Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any, cast
 
 import pytest
@@ -105,7 +105,7 @@ def test_times_round_trip_exactly(backend, make_queue, clock):
         q.offer(s, "k", {"x": 1}, at)
     with backend.Session() as s:
         info = q.get(s, "k")
-        assert info.scheduled_at == at and info.scheduled_at.tzinfo == timezone.utc
+        assert info.scheduled_at == at and info.scheduled_at.tzinfo == UTC
         assert info.scheduled_at.microsecond == 891011
         assert info.created_at == clock()
     with backend.Session() as s, s.begin():
@@ -349,7 +349,7 @@ def test_the_longest_durations_and_the_farthest_times_work_on_every_backend(back
     from sqla_delayedq import DelayedQueue
     from sqla_delayedq._time import LONGEST
 
-    last = datetime.max.replace(tzinfo=timezone.utc)
+    last = datetime.max.replace(tzinfo=UTC)
     q: DelayedQueue[Any] = DelayedQueue(
         "far", retention=LONGEST, priorities=True, priority_aging=LONGEST, clock=clock
     )

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import cast
 
@@ -28,7 +28,7 @@ from sqla_delayedq.worker import Worker
 from tests.fix_db import drop_database, make_database
 
 T = cast(sa.Table, DelayedMessage.__table__)
-UTC = timezone.utc
+UTC = UTC
 
 
 def test_stale_only_when_the_planner_underestimates_a_table_of_some_size():

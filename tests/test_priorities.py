@@ -8,7 +8,7 @@ stays index range scans (``tests/test_explain.py``).
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -17,7 +17,7 @@ from sqla_delayedq import DelayedQueue, InvalidArgument, MessageFilter, Outcome
 from sqla_delayedq.testing import ManualClock
 from tests.fix_db import Backend
 
-UTC = timezone.utc
+UTC = UTC
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
 
 

@@ -12,7 +12,7 @@ import pickle
 import re
 import sys
 from collections.abc import Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ from tests.fix_db import Backend
 
 pytestmark = pytest.mark.slow
 
-UTC = timezone.utc
+UTC = UTC
 BASE_US = 1_767_225_600_000_000  # 2026-01-01T00:00:00Z in microseconds
 SECRET = "s3cr3t-never-shipped"
 ROWS = 200_000

@@ -12,7 +12,7 @@ import asyncio
 import subprocess
 import sys
 import textwrap
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, cast
@@ -100,10 +100,10 @@ def test_the_clock_refuses_a_step_that_is_no_duration_or_too_long(delta: Any) ->
 def test_the_clock_refuses_a_step_past_the_last_time_a_datetime_holds() -> None:
     clock = ManualClock()
     assert clock.advance(LONGEST) == DEFAULT_START + LONGEST  # about 1,000 years: fine
-    clock.set(datetime(9500, 1, 1, tzinfo=timezone.utc))
+    clock.set(datetime(9500, 1, 1, tzinfo=UTC))
     with pytest.raises(InvalidArgument, match="passes the last time a datetime holds"):
         clock.advance(LONGEST)
-    assert clock() == datetime(9500, 1, 1, tzinfo=timezone.utc)
+    assert clock() == datetime(9500, 1, 1, tzinfo=UTC)
     with pytest.raises(InvalidArgument, match="forward"):
         clock.advance(-1e20)
     with pytest.raises(InvalidArgument, match="forward"):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import InitVar, dataclass, field
-from datetime import date, datetime, timezone
+from datetime import UTC, date, datetime
 from decimal import Decimal
 from typing import Any
 
@@ -36,7 +36,7 @@ from tests.fix_workers import running
 from tests.test_worker import wait_for
 
 KINDS = ("dataclass", "pydantic")
-PLACED = datetime(2030, 5, 6, 7, 8, 9, 123456, tzinfo=timezone.utc)
+PLACED = datetime(2030, 5, 6, 7, 8, 9, 123456, tzinfo=UTC)
 
 
 class Status(enum.Enum):
@@ -368,7 +368,7 @@ class PSecret(pydantic.BaseModel):
 UNREADABLE = {
     "datetime-in-a-date-field": (
         DataclassSerializer(Booking),
-        Booking(datetime(2030, 1, 1, 9, tzinfo=timezone.utc)),
+        Booking(datetime(2030, 1, 1, 9, tzinfo=UTC)),
         r"^this Booking would be stored as JSON it cannot be read back from: payload\.day: "
         r"expected date text, got str '2030-01-01T09:00:00\+00:00'$",
     ),

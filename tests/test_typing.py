@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, assert_type
 
 import pydantic
 import pytest
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
-from typing_extensions import assert_type
 
 from sqla_delayedq import (
     DataclassSerializer,

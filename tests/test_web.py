@@ -17,7 +17,7 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -51,7 +51,7 @@ from sqla_delayedq.web import _data, dashboard
 
 TOKEN = "test-token-0123456789"
 ORIGIN = "http://testserver"
-UTC = timezone.utc
+UTC = UTC
 HOSTILE = '<script>window.pwned=1</script><img src=x onerror="window.pwned=2">'
 
 

@@ -18,7 +18,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -50,7 +50,7 @@ CHROMIUM = os.environ.get("DELAYEDQ_CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("DELAYEDQ_CHROMEDRIVER", "/usr/bin/chromedriver")
 TOKEN = "browser-token-0123456789"
 MOUNT = "/ops/queues"
-UTC = timezone.utc
+UTC = UTC
 HOSTILE = '<script>window.pwned=1</script><img src=x onerror="window.pwned=2">'
 
 

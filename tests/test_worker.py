@@ -16,7 +16,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 import pytest
@@ -67,7 +67,7 @@ def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.
 
 
 def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 class RecordingHooks(WorkerHooks):
@@ -280,7 +280,7 @@ def test_a_handler_exception_is_a_nack_with_the_error_text(backend, mode, make_w
     assert info.scheduled_at >= before + timedelta(minutes=59)
 
 
-LATEST = datetime.max.replace(tzinfo=timezone.utc)
+LATEST = datetime.max.replace(tzinfo=UTC)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -679,7 +679,7 @@ def test_a_cancelled_asyncio_process_due_gives_back_a_running_handlers_message_a
         await runner.engine.dispose()
 
     try:
-        before = datetime.now(timezone.utc)
+        before = datetime.now(UTC)
         asyncio.run(cut_short())
         assert runs == ["m"]
         other = Worker(backend.Session, listen=False, keep_statistics=False)
@@ -742,7 +742,7 @@ def test_an_asyncio_run_cancelled_again_and_again_releases_what_its_handlers_hol
         finally:
             await runner.engine.dispose()
 
-    before = datetime.now(timezone.utc)
+    before = datetime.now(UTC)
     asyncio.run(main())
     assert runner.worker.in_flight == 0
     with server_backend.Session() as s:
@@ -896,7 +896,7 @@ def test_on_a_limited_queue_a_stop_that_cancels_a_transactional_handler_gives_ba
         server_backend, concurrency=1, poll_interval=0.1, listen=False, keep_statistics=False
     )
     runner.worker.register(q, sleepy, mode="transactional")
-    before = datetime.now(timezone.utc)
+    before = datetime.now(UTC)
     runner.start()
     try:
         assert wait_for(lambda: started == ["m"], 15)
@@ -1644,7 +1644,7 @@ def test_a_handler_past_its_timeout_loses_its_lease_and_is_redelivered(backend, 
     finished: list[Delivery] = []
 
     def handler(env: Envelope[Any]) -> None:
-        delivered.append((env.delivery, datetime.now(timezone.utc), env.lease_until))
+        delivered.append((env.delivery, datetime.now(UTC), env.lease_until))
         if env.delivery is Delivery.FIRST:
             time.sleep(4)  # "hung": longer than handler_timeout plus a lease
         finished.append(env.delivery)
@@ -2941,7 +2941,7 @@ def test_on_postgresql_a_grouped_queue_acknowledges_and_takes_in_one_statement(p
     monkeypatch.setattr(controls, "REFRESH", 600.0)  # as above: no refresh turns one into the chain
     monkeypatch.setattr(controls, "MIN_REFRESH", 600.0)  # a worker's keep_fresh too
     q: DelayedQueue[Any] = DelayedQueue("fused-groups", groups=True)
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     with pg.Session() as s, s.begin():
         q.offer_batch(
             s,
@@ -2993,7 +2993,7 @@ def test_on_postgresql_a_worker_s_takes_are_planned_once(pg, monkeypatch, kind):
     q: DelayedQueue[Any] = DelayedQueue("planned", groups=kind == "lease with groups")
     with sessionmaker(engine).begin() as s:  # a backlog: the worker takes a few dozen of it
         group = "g" if q.grouping else None
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         q.offer_batch(
             s,
             [
@@ -3304,8 +3304,8 @@ def test_a_fused_statement_that_failed_after_its_take_committed_ends_an_offer_s_
     worker = make_worker(pg, concurrency=1, poll_interval=0.05, listen=False)
     worker.register(q, handle, mode="lease")
     with pg.Session() as s, s.begin():
-        q.offer(s, "a", {"v": 1}, at=datetime.now(timezone.utc) - timedelta(seconds=2))
-        q.offer(s, "b", {"v": 1}, at=datetime.now(timezone.utc) - timedelta(seconds=1))
+        q.offer(s, "a", {"v": 1}, at=datetime.now(UTC) - timedelta(seconds=2))
+        q.offer(s, "b", {"v": 1}, at=datetime.now(UTC) - timedelta(seconds=1))
     with running(worker):
         assert wait_for(lambda: ("a", 2) in handled and ("b", 1) in handled, 20), handled
     [(acked, claims)] = fired

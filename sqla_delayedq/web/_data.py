@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Engine, and_, bindparam, func, inspect, not_, select
@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("sqla_delayedq.web")
-UTC = timezone.utc
+UTC = UTC
 #: Messages changed per transaction by a bulk action.
 CHUNK = 1000
 #: The most payload filters (``where=``) one request may give: each is a condition of the query.

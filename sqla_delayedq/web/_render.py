@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from ..controls import QueueControls
@@ -21,7 +21,7 @@ __all__ = [
     "when",
 ]
 
-UTC = timezone.utc
+UTC = UTC
 
 
 def human_seconds(seconds: float) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from sqlalchemy.orm import sessionmaker
@@ -56,7 +56,7 @@ invoices: DelayedQueue[Invoice] = DelayedQueue(
 
 def send_invoice(envelope: Envelope[Invoice]) -> None:
     invoice = envelope.payload
-    left = (envelope.lease_until - datetime.now(timezone.utc)).total_seconds()
+    left = (envelope.lease_until - datetime.now(UTC)).total_seconds()
     line = (
         f"handled {envelope.key} {type(invoice).__name__} {invoice.number} {invoice.cents} "
         f"{left:.0f} {envelope.headers.get('request-id', '-')}\n"
