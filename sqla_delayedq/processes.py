@@ -73,12 +73,22 @@ def _child_start(supervisor: int) -> Callable[[], None]:
     return start
 
 
+def _signal_name(number: int) -> str:
+    """``SIGKILL``; ``signal 35`` for one without a name here (the real-time signals)."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
 @dataclass
 class _Slot:
     number: int
     proc: subprocess.Popen[bytes] | None = None
     started: float = 0.0
+    #: Failures within :data:`QUICK_EXIT` of the start, in a row; and any such exits.
     quick_exits: int = 0
+    quick_restarts: int = 0
     exits: list[int] = field(default_factory=list)
 
 
@@ -122,32 +132,56 @@ class _Supervisor:
                 with contextlib.suppress(ProcessLookupError):
                     slot.proc.send_signal(sig)
 
-    def _start(self, slot: _Slot) -> None:
+    def _start(self, slot: _Slot) -> bool:
+        """Start the child of ``slot``; False when it could not be started, after
+        :data:`MAX_QUICK_EXITS` tries with the restart backoff (the fork failed, ``EAGAIN`` or
+        ``ENOMEM``; the interpreter is gone): the caller stops the others, drained. Raised,
+        the error ended the supervisor, which then killed every child mid-handler."""
         if self.stopping:  # a signal came while the children started, or during a backoff
-            return
+            return True
         env = {**os.environ, CHILD_ENV: str(slot.number)}
         start = _child_start(os.getpid()) if sys.platform != "win32" else None
-        slot.proc = subprocess.Popen(self.command, env=env, preexec_fn=start)
+        for tries in range(1, MAX_QUICK_EXITS + 1):
+            try:
+                slot.proc = subprocess.Popen(self.command, env=env, preexec_fn=start)
+                break
+            except (OSError, subprocess.SubprocessError) as exc:
+                log.error("worker process %d could not be started: %s", slot.number, exc)
+                if tries == MAX_QUICK_EXITS:
+                    return False
+                time.sleep(min(2.0**tries, 10.0))
+                if self.stopping:
+                    return True
         slot.started = time.monotonic()
         log.info("worker process %d started: pid %d", slot.number, slot.proc.pid)
         if self.stopping:  # the signal came while it started: it was not among those told
             slot.proc.send_signal(signal.SIGKILL if self.killing else signal.SIGTERM)
+        return True
 
     def run(self) -> int:
         previous = {
             sig: signal.signal(sig, self._signal) for sig in (signal.SIGTERM, signal.SIGINT)
         }
         try:
+            failed = None
             for slot in self.slots:
-                self._start(slot)
-            return self._watch()
+                if not self._start(slot):
+                    failed = self._give_up()
+                    break
+            return self._watch(failed)
         finally:
             self._send(signal.SIGKILL)  # only children still running: after an error here
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-    def _watch(self) -> int:
-        failed: int | None = None
+    def _give_up(self) -> int:
+        """Stop every child, each drained, to exit with status 1."""
+        log.error("stopping the worker processes: one could not be started")
+        self.stopping = True
+        self._send(signal.SIGTERM)
+        return 1
+
+    def _watch(self, failed: int | None = None) -> int:
         while True:
             running = 0
             for slot in self.slots:
@@ -182,10 +216,13 @@ class _Supervisor:
     def _replace(self, slot: _Slot, pid: int, code: int) -> int | None:
         """Start a replacement for a child that exited on its own; the status to give up
         with when it keeps failing at start."""
-        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
+        how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with {code}"
         # Killed by a signal counts too: a crash at import (a segfault) is no less a failure.
-        if time.monotonic() - slot.started < QUICK_EXIT and code != 0:
-            slot.quick_exits += 1
+        # One that exits 0 at once (its worker stopped itself) is no failure, but it is started
+        # again after the backoff too, not ten times a second for ever.
+        if time.monotonic() - slot.started < QUICK_EXIT:
+            slot.quick_restarts += 1
+            slot.quick_exits += code != 0
             if slot.quick_exits >= MAX_QUICK_EXITS:
                 log.error(
                     "worker process %d (pid %d) %s %d times in a row within %.0f s of its "
@@ -197,9 +234,9 @@ class _Supervisor:
                     QUICK_EXIT,
                 )
                 return code if code > 0 else 1
-            time.sleep(min(2.0**slot.quick_exits, 10.0))
+            time.sleep(min(2.0**slot.quick_restarts, 10.0))
         else:
-            slot.quick_exits = 0
+            slot.quick_exits = slot.quick_restarts = 0
         log.warning(
             "worker process %d (pid %d) %s; starting a new one (messages it held come back "
             "when their leases run out)",
@@ -207,5 +244,4 @@ class _Supervisor:
             pid,
             how,
         )
-        self._start(slot)
-        return None
+        return None if self._start(slot) else self._give_up()

@@ -311,3 +311,97 @@ def test_each_child_runs_with_the_same_options(argv, expected, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["delayedq", *argv])
     target = next(a for a in argv if ":" in a)
     assert child_args(target) == expected
+
+
+DRAINING_CHILD = """
+import os, pathlib, signal, sys, time
+out = pathlib.Path(sys.argv[1])
+def drained(*_):
+    (out / f"drained-{os.getpid()}").touch()
+    sys.exit(0)
+signal.signal(signal.SIGTERM, drained)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # as `delayedq worker` does
+(out / f"started-{os.getpid()}").touch()
+while True:
+    time.sleep(0.1)
+"""
+
+
+def run_supervisor(tmp_path: Path, child: str, n: int, patch: str = "") -> subprocess.Popen[str]:
+    """``_Supervisor`` over ``n`` children running ``child`` (with ``tmp_path`` as argument),
+    after ``patch`` (Python run first in the supervisor's process)."""
+    command = [sys.executable, "-c", child, str(tmp_path)]
+    supervisor = (
+        f"import subprocess, sys\n{patch}\nfrom sqla_delayedq.processes import _Supervisor\n"
+        f"sys.exit(_Supervisor({command!r}, {n}).run())"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", supervisor], cwd=REPO, stderr=subprocess.PIPE, text=True
+    )
+
+
+def test_a_child_that_cannot_be_started_stops_the_others_drained(tmp_path):
+    """The fork of a child failed (``EAGAIN``): the error left the supervisor, which killed
+    every running child with SIGKILL, mid-handler. It is now tried again with the backoff, and
+    then the others are stopped with SIGTERM (each drains) and the supervisor exits 1."""
+    patch = (
+        "import errno\nreal, calls = subprocess.Popen, []\n"
+        "def popen(*a, **k):\n"
+        "    calls.append(1)\n"
+        "    if len(calls) > 1:\n"
+        "        raise OSError(errno.EAGAIN, 'Resource temporarily unavailable')\n"
+        "    return real(*a, **k)\n"
+        "subprocess.Popen = popen"
+    )
+    proc = run_supervisor(tmp_path, DRAINING_CHILD, 2, patch)
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, err
+    assert err.count("worker process 2 could not be started") == 3, err
+    started = {p.name.split("-")[1] for p in tmp_path.glob("started-*")}
+    drained = {p.name.split("-")[1] for p in tmp_path.glob("drained-*")}
+    assert len(started) == 1 and drained == started, err  # stopped with SIGTERM, not killed
+
+
+def test_a_child_killed_by_a_real_time_signal_is_replaced(tmp_path):
+    """``signal.Signals(35)`` raised (no name for the real-time signals): the supervisor
+    ended on the error and killed the other children."""
+    proc = run_supervisor(tmp_path, DRAINING_CHILD, 1)
+    try:
+        deadline = time.monotonic() + 30
+        while not (started := list(tmp_path.glob("started-*"))):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+        os.kill(int(started[0].name.split("-")[1]), signal.SIGRTMIN + 1)
+        while len(list(tmp_path.glob("started-*"))) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert f"was killed by signal {int(signal.SIGRTMIN) + 1}; starting a new one" in err, err
+    assert proc.returncode == 0, err
+
+
+def test_a_child_that_exits_0_at_once_is_started_again_after_a_backoff(tmp_path):
+    """A child whose worker stops itself at once (exit 0) was started again ten times a
+    second, for ever; it now waits the restart backoff (2, 4, 8, then 10 s) each time."""
+    child = "import os, pathlib, sys; (pathlib.Path(sys.argv[1]) / str(os.getpid())).touch()"
+    proc = run_supervisor(tmp_path, child, 1)
+    try:
+        time.sleep(5)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert 2 <= len(list(tmp_path.iterdir())) <= 4, err  # 50 or so before
+    assert proc.returncode == 0, err
