@@ -141,21 +141,23 @@ class _Supervisor:
             return True
         env = {**os.environ, CHILD_ENV: str(slot.number)}
         start = _child_start(os.getpid()) if sys.platform != "win32" else None
-        for tries in range(1, MAX_QUICK_EXITS + 1):
+        tries = 0
+        while True:
             try:
-                slot.proc = subprocess.Popen(self.command, env=env, preexec_fn=start)
+                proc = slot.proc = subprocess.Popen(self.command, env=env, preexec_fn=start)
                 break
             except (OSError, subprocess.SubprocessError) as exc:
                 log.error("worker process %d could not be started: %s", slot.number, exc)
+                tries += 1
                 if tries == MAX_QUICK_EXITS:
                     return False
                 time.sleep(min(2.0**tries, 10.0))
                 if self.stopping:
                     return True
         slot.started = time.monotonic()
-        log.info("worker process %d started: pid %d", slot.number, slot.proc.pid)
+        log.info("worker process %d started: pid %d", slot.number, proc.pid)
         if self.stopping:  # the signal came while it started: it was not among those told
-            slot.proc.send_signal(signal.SIGKILL if self.killing else signal.SIGTERM)
+            proc.send_signal(signal.SIGKILL if self.killing else signal.SIGTERM)
         return True
 
     def run(self) -> int:
