@@ -7,7 +7,8 @@ that applies the offer mode to every row at once, counts what it created and upd
 statement takes every row lock of the transaction, in key order, so overlapping partitions
 wait for each other instead of deadlocking. The transaction covers
 the whole partition (or each ``commit_every`` slice), so a failed task leaves nothing or whole
-slices behind, and the retry finds those rows identical and leaves them alone.
+slices behind, and the retry finds those rows identical and leaves them alone (unless a
+worker acknowledged one meanwhile, which deletes it: see docs/spark.md on retries).
 
 Reading a range of ids: ``COPY (SELECT ...) TO STDOUT`` as CSV, parsed by Arrow into record
 batches of the schema Spark expects. Statement builders are pure; only ``write_partition`` and

@@ -272,7 +272,9 @@ def offer_dataframe(
     :param after_commit: called on the executor after each commit with the partition number
         and the rows that task has committed so far (for progress, or fault injection).
 
-    Safe to run again: rows already there as offered are ``ignored``. On PostgreSQL the counts
+    Safe to run again: rows already there as offered are ``ignored`` (one a worker has
+    acknowledged since is gone, and offered again, unless the queue keeps handled messages
+    with ``retention`` and ``mode="skip"``; see docs/spark.md). On PostgreSQL the counts
     are exact whichever task attempts committed; elsewhere they may be approximate after a
     retry (see :class:`OfferCounts`). A bad row (null or over-long key, null payload or one
     that is not JSON) fails its partition's transaction and the call, with an
