@@ -48,7 +48,6 @@ from sqla_delayedq._cli_stats import bounded_stats_stmt, stats_stmt
 from sqla_delayedq.cli import cli
 from sqla_delayedq.models import metadata
 
-UTC = UTC
 ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 
 # Per 1,000 consecutive ids (one queue): 30 dead, 10 done, 300 due (up to an hour late),

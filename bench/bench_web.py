@@ -33,7 +33,6 @@ with warnings.catch_warnings():
 
 from sqla_delayedq.web import dashboard
 
-UTC = UTC
 TOKEN = "bench"
 TARGET_MS = 300.0
 

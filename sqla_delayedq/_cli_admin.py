@@ -36,7 +36,6 @@ from ._cli_target import open_db
 from ._time import LONGEST, require_duration
 from ._types import MessageFilter
 
-UTC = UTC
 CHUNK = 1000
 
 #: Applies a change to the messages of one chunk; returns how many changed.

@@ -49,7 +49,6 @@ TABLE_ENV_VAR = "DELAYEDQ_TABLE"
 APP_ENV_VAR = "DELAYEDQ_APP"
 DEBUG_ENV_VAR = "DELAYEDQ_DEBUG"
 INSTALL_HINT = "pip install 'sqla_delayedq[cli]'"
-UTC = UTC
 
 # -- errors ------------------------------------------------------------------------------------
 

@@ -36,8 +36,6 @@ from ._cli_base import (
 )
 from ._cli_target import open_db
 
-UTC = UTC
-
 # -- cron --------------------------------------------------------------------------------------
 
 

@@ -39,8 +39,6 @@ from ._cli_stats import STATES, QueueStats, queue_stats
 from ._cli_target import open_db
 from ._types import MessageFilter, MessageInfo
 
-UTC = UTC
-
 # -- stats -------------------------------------------------------------------------------------
 
 

@@ -39,7 +39,6 @@ from .errors import InvalidArgument
 
 __all__ = ["CronSchedule", "DailySchedule", "PeriodicTick", "Schedule"]
 
-UTC = UTC
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _MICRO = timedelta(microseconds=1)
 _SECOND = timedelta(seconds=1)

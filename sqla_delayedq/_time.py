@@ -21,8 +21,6 @@ from sqlalchemy.types import TypeDecorator
 from ._engine import Family, family
 from .errors import InvalidArgument
 
-UTC = UTC
-
 
 def _utc_zones() -> frozenset[tzinfo]:
     """Zones that are UTC under another name (none where there is no time zone database)."""

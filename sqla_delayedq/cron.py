@@ -88,7 +88,6 @@ __all__ = [
 
 logger = logging.getLogger("sqla_delayedq.cron")
 
-UTC = UTC
 HASH_LEN = 12
 STAMP_FORMAT = "%Y%m%dT%H%M%SZ"
 STAMP_LEN = 16

@@ -81,7 +81,6 @@ __all__ = [
 
 log = logging.getLogger("sqla_delayedq.metrics")
 
-UTC = UTC
 #: The exporters' cap on each count (:class:`StatsCache`): a count above it reads as this many,
 #: flagged as capped. 1,000 rather than 10,000: with the vacuum horizon pinned, PostgreSQL read
 #: a 10,000 cap's ranges whole (it expected them barely longer), as costly as an exact read,

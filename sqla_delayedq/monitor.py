@@ -64,7 +64,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("sqla_delayedq.monitor")
-UTC = UTC
 
 #: Seconds between two heartbeats, by default.
 DEFAULT_HEARTBEAT = 10.0

@@ -68,7 +68,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-UTC = UTC
 
 #: Where a :class:`ManualClock` starts unless told: fixed, so runs repeat exactly (with
 #: microseconds, so precision bugs show).

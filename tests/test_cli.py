@@ -32,7 +32,6 @@ from sqla_delayedq.cli import cli
 from sqla_delayedq.entity import EntityQueue
 from tests.fix_db import Backend
 
-UTC = UTC
 REPO = Path(__file__).resolve().parents[1]
 
 on_pg_and_sqlite = pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indirect=True)

@@ -44,7 +44,6 @@ from sqla_delayedq.serializers import BytesSerializer
 from tests.fix_db import Backend
 from tests.fix_queue import FakeClock
 
-UTC = UTC
 T0 = datetime(2030, 1, 1, 12, 0, 0, 123456, tzinfo=UTC)  # FakeClock's default start
 HOUR = timedelta(hours=1)
 BUCHAREST = "Europe/Bucharest"

@@ -23,7 +23,6 @@ from tests.fix_db import Backend
 from tests.fix_workers import running
 from tests.test_worker import wait_for
 
-UTC = UTC
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
 
 

@@ -59,7 +59,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (  # noqa: E4
 from opentelemetry.trace import SpanKind, StatusCode  # noqa: E402
 from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 
-UTC = UTC
 REPO = Path(__file__).resolve().parents[1]
 on_pg_and_sqlite = pytest.mark.parametrize("backend", ["sqlite", "postgresql"], indirect=True)
 

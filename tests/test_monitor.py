@@ -32,7 +32,6 @@ from tests.fix_db import Backend
 from tests.fix_workers import AsyncRunner, running
 
 REPO = Path(__file__).resolve().parents[1]
-UTC = UTC
 HEARTBEAT = 0.3
 
 

@@ -28,7 +28,6 @@ from sqla_delayedq.worker import Worker
 from tests.fix_db import drop_database, make_database
 
 T = cast(sa.Table, DelayedMessage.__table__)
-UTC = UTC
 
 
 def test_stale_only_when_the_planner_underestimates_a_table_of_some_size():

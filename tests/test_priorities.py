@@ -17,7 +17,6 @@ from sqla_delayedq import DelayedQueue, InvalidArgument, MessageFilter, Outcome
 from sqla_delayedq.testing import ManualClock
 from tests.fix_db import Backend
 
-UTC = UTC
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
 
 

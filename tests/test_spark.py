@@ -34,7 +34,6 @@ from tests.fix_db import Backend
 
 pytestmark = pytest.mark.slow
 
-UTC = UTC
 BASE_US = 1_767_225_600_000_000  # 2026-01-01T00:00:00Z in microseconds
 SECRET = "s3cr3t-never-shipped"
 ROWS = 200_000

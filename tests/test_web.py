@@ -51,7 +51,6 @@ from sqla_delayedq.web import _data, dashboard
 
 TOKEN = "test-token-0123456789"
 ORIGIN = "http://testserver"
-UTC = UTC
 HOSTILE = '<script>window.pwned=1</script><img src=x onerror="window.pwned=2">'
 
 

@@ -50,7 +50,6 @@ CHROMIUM = os.environ.get("DELAYEDQ_CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("DELAYEDQ_CHROMEDRIVER", "/usr/bin/chromedriver")
 TOKEN = "browser-token-0123456789"
 MOUNT = "/ops/queues"
-UTC = UTC
 HOSTILE = '<script>window.pwned=1</script><img src=x onerror="window.pwned=2">'
 
 

@@ -20,7 +20,7 @@ import secrets
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -66,7 +66,6 @@ from ._security import security_headers
 __all__ = ["Dashboard", "dashboard"]
 
 log = logging.getLogger("sqla_delayedq.web")
-UTC = UTC
 HERE = Path(__file__).resolve().parent
 MAX_ID = 2**63 - 1
 MAX_LIMIT = 500

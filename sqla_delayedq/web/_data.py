@@ -58,7 +58,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("sqla_delayedq.web")
-UTC = UTC
 #: Messages changed per transaction by a bulk action.
 CHUNK = 1000
 #: The most payload filters (``where=``) one request may give: each is a condition of the query.

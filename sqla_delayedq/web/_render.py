@@ -21,8 +21,6 @@ __all__ = [
     "when",
 ]
 
-UTC = UTC
-
 
 def human_seconds(seconds: float) -> str:
     seconds = abs(seconds)
