@@ -175,6 +175,70 @@ def test_spark_partition_retried_after_partial_commit_leaves_exact_rows(
     assert sorted(r[2] for r in rows) == sorted(f"user/{i}" for i in range(n))
 
 
+class HandleOneThenFailOnce:
+    """Fault injection with a worker between: after the first commit of its partition's first
+    attempt, a consumer takes one committed row, handles and acknowledges it; then the attempt
+    dies, and Spark retries the partition."""
+
+    def __init__(self, marker_dir: str, url: str, retention: timedelta | None) -> None:
+        self.marker_dir, self.url, self.retention = marker_dir, url, retention
+
+    def __call__(self, partition: int, committed: int) -> None:
+        marker = Path(self.marker_dir) / f"partition-{partition}"
+        if not committed or marker.exists():
+            return
+        from sqlalchemy.orm import Session
+
+        engine = create_engine(self.url)
+        try:
+            q: DelayedQueue[Any] = DelayedQueue("reminders", retention=self.retention)
+            with Session(engine) as s, s.begin():
+                env = q.try_poll(s)
+                assert env is not None
+                assert q.ack(s, env)
+        finally:
+            engine.dispose()
+        marker.write_text(env.key)
+        raise RuntimeError(f"injected failure after {committed} committed rows")
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["deleted", "kept with retention"])
+def test_spark_retry_after_a_worker_handled_a_committed_row(
+    spark: SparkSession, pg: Backend, tmp_path: Path, kept: bool
+) -> None:
+    """docs/spark.md, "With workers consuming while the job runs": a retry offers again a row
+    that a worker acknowledged (deleted) after the failed attempt committed it, so it is
+    created and delivered again; with the queue's ``retention`` and ``mode="skip"`` the
+    handled row is still there, as done, and the retry leaves it alone."""
+    n = 20
+    url = pg.url.render_as_string(hide_password=False)
+    counts = offer_dataframe(
+        reminders(spark, n, partitions=1),
+        pg.url,
+        "reminders",
+        scheduled_at="due",
+        mode="skip" if kept else "replace",
+        commit_every=5,
+        after_commit=HandleOneThenFailOnce(str(tmp_path), url, timedelta(days=1) if kept else None),
+    )
+    handled = (tmp_path / "partition-0").read_text()
+    assert counts.retried_partitions == 1
+    with pg.engine.connect() as conn:
+        rows = conn.execute(
+            sa.text("SELECT status FROM delayed_queue WHERE key = :k"), {"k": handled}
+        ).all()
+        total = conn.execute(sa.text("SELECT count(*) FROM delayed_queue")).scalar()
+    assert total == n  # every key there: the handled one again, or kept as done
+    if kept:
+        assert [r.status for r in rows] == ["done"]  # not offered again
+        assert counts.created == n
+    else:
+        assert [r.status for r in rows] == ["pending"]  # created again: delivered twice
+        # Counted twice: 21 created of 20 offered, clamped and flagged (an overcount within
+        # the rows offered, when some were there before, would not be).
+        assert counts.created == n and counts.approximate
+
+
 def test_spark_modes_match_offer(spark: SparkSession, pg: Backend) -> None:
     url = pg.url
     base = spark.createDataFrame(
