@@ -377,6 +377,12 @@ class Runtime(Protocol):
         """Who runs the calling code: its thread, or its task on the asyncio runtime."""
         ...
 
+    def cut_by_stop(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is the stop cutting the running code short (its drain timed out),
+        not a failure: on the asyncio runtime, only a cancellation of the consumer's own task,
+        not a ``CancelledError`` its handler raised or got from a future someone cancelled."""
+        ...
+
     def generation(self) -> int: ...
     def wait(self, seen: int, timeout: float) -> None:
         """Sleep until ``timeout``, a wake-up since generation ``seen``, or a stop request."""
@@ -1416,7 +1422,7 @@ class BaseWorker(Generic[S]):
             self._failed(reg, envs, exc)
             after = FAILED
         except BaseException as exc:
-            if self.rt.stopping and is_cancellation(exc):
+            if self.rt.cut_by_stop(exc):
                 raise  # the drain's cancel: still in flight, the stop releases them
             # SystemExit, KeyboardInterrupt, a cancellation of the handler's own: the attempt
             # failed (counted, recorded), and the worker stops loudly rather than lose a
@@ -1740,7 +1746,7 @@ class BaseWorker(Generic[S]):
             try:
                 result = rt.call(reg.handler, envelope, session)
             except BaseException as exc:
-                if not (rt.stopping and is_cancellation(exc)):
+                if not rt.cut_by_stop(exc):
                     self._in_flight.pop(reg, envelope)
                 # else the stop's cancel: still in flight, the stop releases it a lease from
                 # now (its work may go on in a thread), as in lease mode
@@ -1759,9 +1765,7 @@ class BaseWorker(Generic[S]):
                 try:
                     result, ahead = reg.source.process_next(s, handle)
                 except BaseException as exc:
-                    if not isinstance(exc, Exception) and not (
-                        rt.stopping and is_cancellation(exc)
-                    ):
+                    if not isinstance(exc, Exception) and not rt.cut_by_stop(exc):
                         # Stop before the rollback makes the message due again (see _consume).
                         bailed.append(exc)
                         where = "the handler of" if handling else "a take from"

@@ -42,6 +42,7 @@ from ._handlers import (
     check_callback,
     check_transactional,
     is_async_callable,
+    is_cancellation,
     refuse_unrun,
 )
 from ._offers import OfferInput
@@ -458,6 +459,9 @@ class AsyncRuntime:
 
     def caller(self) -> object:
         return asyncio.current_task(self.loop)
+
+    def cut_by_stop(self, exc: BaseException) -> bool:
+        return self.stopping and is_cancellation(exc) and _cancelled_from_outside()
 
     def generation(self) -> int:
         return self._generation

@@ -31,7 +31,7 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from ._consumer import BaseWorker, Mode, WorkerHooks, hand_out, require_option, stop_signals
-from ._handlers import call_sync_handler, check_callback, check_sync_handler
+from ._handlers import call_sync_handler, check_callback, check_sync_handler, is_cancellation
 from ._types import QueueName
 from ._wakeup import subscribe
 
@@ -106,6 +106,9 @@ class ThreadRuntime:
 
     def caller(self) -> object:
         return threading.get_ident()
+
+    def cut_by_stop(self, exc: BaseException) -> bool:
+        return self.stopping and is_cancellation(exc)
 
     def generation(self) -> int:
         with self._lock:

@@ -797,6 +797,46 @@ def test_a_stop_that_cancels_an_asyncio_acknowledgement_makes_it_again(server_ba
     assert pending(server_backend, q) == 0  # acknowledged, not released to run again
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_handler_s_own_cancellation_during_a_drain_is_a_failed_attempt(backend, mode):
+    """A handler raised a ``CancelledError`` of its own (it awaited a future someone else
+    cancelled) while the worker drained after a stop request: it was taken for the drain's own
+    cancellation, so the attempt went uncounted and unreported and ``run()`` returned True.
+    Like the same error outside a stop, it is now a failed attempt and stops the worker loudly."""
+    from sqla_delayedq import WorkerError
+
+    retry = ExponentialBackoff(max_attempts=1, initial=timedelta(hours=1), jitter=0)
+    q: DelayedQueue[Any] = DelayedQueue("own-cancel", lease=timedelta(minutes=5), retry=retry)
+    offer(backend, q, "m")
+    runner = AsyncRunner(backend, concurrency=1, drain_timeout=10, listen=False)
+
+    async def main() -> None:
+        shared = asyncio.get_running_loop().create_future()
+        entered = asyncio.Event()
+
+        async def handle(env: Envelope[Any], session: Any = None) -> None:
+            entered.set()
+            await shared  # cancelled by someone else below: the handler's own error
+
+        runner.worker.register(q, handle, mode=mode)
+        task = asyncio.create_task(runner.worker.run(install_signal_handlers=False))
+        try:
+            await asyncio.wait_for(entered.wait(), 20)
+            runner.worker.request_stop()
+            await asyncio.sleep(0.1)  # draining: it would wait up to 10 s
+            shared.cancel()
+            with pytest.raises(WorkerError):
+                await asyncio.wait_for(task, 20)
+        finally:
+            await runner.engine.dispose()
+
+    asyncio.run(main())
+    with backend.Session() as s:
+        info = q.get(s, "m")
+    assert info is not None and (info.status, info.attempts) == ("dead", 1)
+    assert "CancelledError" in (info.last_error or "")
+
+
 def limited_queue(backend: Any, name: str, lease: timedelta) -> DelayedQueue[Any]:
     """A queue with one attempt allowed, a limit (its transactional take is a lease committed
     apart, on a server) and one message ``m``."""
