@@ -1237,6 +1237,33 @@ class BaseWorker(Generic[S]):
                 len(acks),
             )
 
+    def _nack_interrupted(
+        self, reg: Registration, env: Envelope[Any], error: BaseException, exc: BaseException
+    ) -> None:
+        """The failure of ``env``'s handler, recorded again after ``exc`` interrupted its
+        record: one try, in a transaction of its own (refused if the first committed)."""
+        source = reg.source
+        try:
+            with self.rt.session() as s, s.begin():
+                outcome = source.nack(s, env, error)
+        except Exception as failure:
+            log.error(
+                "recording the failure of %s/%s was interrupted (%r) and could not be made "
+                "again (%s): it is due again when its lease ends, uncounted",
+                source.name,
+                env.key,
+                exc,
+                failure,
+            )
+            return
+        log.warning(
+            "recording the failure of %s/%s was interrupted (%r): recorded again (%s)",
+            source.name,
+            env.key,
+            exc,
+            outcome.name,
+        )
+
     def _autocommit_session(self) -> Session | None:
         """An :class:`AloneSession` for statements that commit on their own, where the
         database gains by them (see ``Strategy.fused_ack``: asked of the sessions' engine
@@ -1644,7 +1671,14 @@ class BaseWorker(Generic[S]):
 
     def _failed(self, reg: Registration, envs: list[Envelope[Any]], error: BaseException) -> None:
         for env in self._in_flight.current(reg, envs):
-            outcome = self._settle(reg, env, "nack", error)
+            try:
+                outcome = self._settle(reg, env, "nack", error)
+            except BaseException as exc:
+                # Interrupted while it recorded the failure (the asyncio stop's cancel as the
+                # statement awaited its reply): recorded again, or the stop released the
+                # message uncounted (a poison message stopped that way ran for ever).
+                self._nack_interrupted(reg, env, error, exc)
+                raise
             log_failure(reg.source.name, env.key, env.attempt, error, outcome)
             self.hooks.failed(reg.queue, env, error, outcome or NackOutcome.STALE)
 

@@ -837,6 +837,52 @@ def test_a_handler_s_own_cancellation_during_a_drain_is_a_failed_attempt(backend
     assert "CancelledError" in (info.last_error or "")
 
 
+def test_a_stop_that_cancels_an_asyncio_failure_record_records_it_again(server_backend):
+    """As for an acknowledgement: the stop cancelled the record of a failed attempt as it
+    awaited its reply. The stop then released the message, uncounted, so a poison message
+    stopped that way ran for ever; the failure is now recorded again."""
+    retry = ExponentialBackoff(max_attempts=3, initial=timedelta(hours=1), jitter=0)
+    q: DelayedQueue[Any] = DelayedQueue("nack-cancelled", lease=timedelta(seconds=2), retry=retry)
+    offer(server_backend, q, "m")
+    table = cast(sa.Table, DelayedMessage.__table__)
+    locked, failing = threading.Event(), threading.Event()
+
+    def hold_the_row() -> None:
+        with server_backend.engine.connect() as conn:
+            conn.execute(sa.select(table.c.id).where(table.c.key == "m").with_for_update())
+            locked.set()
+            time.sleep(1.5)
+            conn.rollback()
+
+    async def handle(env: Envelope[Any]) -> None:
+        threading.Thread(target=hold_the_row, daemon=True).start()
+        await asyncio.to_thread(locked.wait, 10)
+        failing.set()
+        raise RuntimeError("poison")
+
+    runner = AsyncRunner(
+        server_backend, concurrency=1, drain_timeout=0, listen=False, keep_statistics=False
+    )
+    runner.worker.register(q, handle, mode="lease")
+
+    async def main() -> None:
+        task = asyncio.create_task(runner.worker.run(install_signal_handlers=False))
+        try:
+            assert await asyncio.to_thread(failing.wait, 20)
+            await asyncio.sleep(0.3)  # its failure's record waits for the row
+            runner.worker.request_stop()
+            await task
+        finally:
+            await runner.engine.dispose()
+
+    before = datetime.now(UTC)
+    asyncio.run(main())
+    with server_backend.Session() as s:
+        info = q.get(s, "m")
+    assert info is not None and info.attempts == 1 and info.last_error is not None
+    assert info.scheduled_at is not None and info.scheduled_at > before + timedelta(minutes=50)
+
+
 def limited_queue(backend: Any, name: str, lease: timedelta) -> DelayedQueue[Any]:
     """A queue with one attempt allowed, a limit (its transactional take is a lease committed
     apart, on a server) and one message ``m``."""
