@@ -340,6 +340,17 @@ def run_supervisor(tmp_path: Path, child: str, n: int, patch: str = "") -> subpr
     )
 
 
+@contextlib.contextmanager
+def killed_at_the_end(proc: subprocess.Popen[str]) -> Iterator[subprocess.Popen[str]]:
+    """``proc``, killed (with its children: they stop with it) if the block left it running."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_a_child_that_cannot_be_started_stops_the_others_drained(tmp_path):
     """The fork of a child failed (``EAGAIN``): the error left the supervisor, which killed
     every running child with SIGKILL, mid-handler. It is now tried again with the backoff, and
@@ -353,13 +364,8 @@ def test_a_child_that_cannot_be_started_stops_the_others_drained(tmp_path):
         "    return real(*a, **k)\n"
         "subprocess.Popen = popen"
     )
-    proc = run_supervisor(tmp_path, DRAINING_CHILD, 2, patch)
-    try:
+    with killed_at_the_end(run_supervisor(tmp_path, DRAINING_CHILD, 2, patch)) as proc:
         _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode == 1, err
     assert err.count("worker process 2 could not be started") == 3, err
     started = {p.name.split("-")[1] for p in tmp_path.glob("started-*")}
@@ -370,8 +376,7 @@ def test_a_child_that_cannot_be_started_stops_the_others_drained(tmp_path):
 def test_a_child_killed_by_a_real_time_signal_is_replaced(tmp_path):
     """``signal.Signals(35)`` raised (no name for the real-time signals): the supervisor
     ended on the error and killed the other children."""
-    proc = run_supervisor(tmp_path, DRAINING_CHILD, 1)
-    try:
+    with killed_at_the_end(run_supervisor(tmp_path, DRAINING_CHILD, 1)) as proc:
         deadline = time.monotonic() + 30
         while not (started := list(tmp_path.glob("started-*"))):
             assert time.monotonic() < deadline and proc.poll() is None
@@ -382,10 +387,6 @@ def test_a_child_killed_by_a_real_time_signal_is_replaced(tmp_path):
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert f"was killed by signal {int(signal.SIGRTMIN) + 1}; starting a new one" in err, err
     assert proc.returncode == 0, err
 
@@ -394,14 +395,9 @@ def test_a_child_that_exits_0_at_once_is_started_again_after_a_backoff(tmp_path)
     """A child whose worker stops itself at once (exit 0) was started again ten times a
     second, for ever; it now waits the restart backoff (2, 4, 8, then 10 s) each time."""
     child = "import os, pathlib, sys; (pathlib.Path(sys.argv[1]) / str(os.getpid())).touch()"
-    proc = run_supervisor(tmp_path, child, 1)
-    try:
+    with killed_at_the_end(run_supervisor(tmp_path, child, 1)) as proc:
         time.sleep(5)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert 2 <= len(list(tmp_path.iterdir())) <= 4, err  # 50 or so before
     assert proc.returncode == 0, err
