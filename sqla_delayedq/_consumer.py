@@ -1186,20 +1186,17 @@ class BaseWorker(Generic[S]):
         exc: BaseException,
         taken: Sequence[Envelope[Any]],
         sent: tuple[str, datetime] | None = None,
-        acks: Sequence[Envelope[Any]] = (),
     ) -> None:
         """After an interruption (``exc``: ``KeyboardInterrupt``, ``SystemExit``, a task's
         cancellation, as a stop whose drain timed out sends) between a take's statement and
         the moment what it took is in flight: give back, due at once and uncounted, what the
         take may hold (``taken``: by their lock tokens; ``sent``: a statement with no reply, by
-        its prefix and lease end), no handler having run; with ``acks``, acknowledge those
-        (their handlers succeeded, and the interrupted statement carried their
-        acknowledgement). Also what a ``process_due`` call that ends on an error or an
-        interruption holds unsettled. One try, in a transaction of its own; a failure is
-        logged. Without it, the rows stayed leased under tokens nobody held, and the end of the
-        lease counted an attempt that no handler made (dead unhandled, with one attempt
-        allowed)."""
-        if not (taken or sent or acks):
+        its prefix and lease end), no handler having run. Also what a ``process_due`` call
+        that ends on an error or an interruption holds unsettled. One try, in a transaction of
+        its own; a failure is logged. Without it, the rows stayed leased under tokens nobody
+        held, and the end of the lease counted an attempt that no handler made (dead
+        unhandled, with one attempt allowed)."""
+        if not (taken or sent):
             return  # the take's transaction never committed: it holds nothing
         source = reg.source
         given = 0
@@ -1209,8 +1206,6 @@ class BaseWorker(Generic[S]):
                     given += source.release_fused(s, *sent)
                 for env in taken:
                     given += bool(source.release(s, env))
-                if acks:
-                    self._acknowledge(s, reg, list(acks))
         except Exception as error:
             log.error(
                 "a take on %s was interrupted (%r), and what it holds could not be given back "
@@ -1228,40 +1223,47 @@ class BaseWorker(Generic[S]):
                 exc,
                 given,
             )
-        if acks:
-            log.warning(
-                "acknowledging on %s was interrupted (%r): the acknowledgement of %d "
-                "message(s) was made again",
-                source.name,
-                exc,
-                len(acks),
-            )
 
-    def _nack_interrupted(
-        self, reg: Registration, env: Envelope[Any], error: BaseException, exc: BaseException
+    def _settle_again(
+        self,
+        reg: Registration,
+        envs: Sequence[Envelope[Any]],
+        exc: BaseException,
+        error: BaseException | None = None,
     ) -> None:
-        """The failure of ``env``'s handler, recorded again after ``exc`` interrupted its
-        record: one try, in a transaction of its own (refused if the first committed)."""
+        """After ``exc`` interrupted the settle of ``envs`` (the asyncio stop's cancel as its
+        statement awaited the reply, Ctrl-C), whose handlers ran: acknowledge them again, or
+        with ``error`` record their failure again. One try, in a transaction of its own,
+        refused where the first committed. Without it the stop released them: a success ran
+        again without a word, a failure went uncounted (a poison message, for ever)."""
+        if not envs:
+            return
         source = reg.source
+        doing = "acknowledging" if error is None else "recording the failure of"
         try:
             with self.rt.session() as s, s.begin():
-                outcome = source.nack(s, env, error)
+                if error is None:
+                    self._acknowledge(s, reg, list(envs))
+                else:
+                    for env in envs:
+                        source.nack(s, env, error)
         except Exception as failure:
             log.error(
-                "recording the failure of %s/%s was interrupted (%r) and could not be made "
-                "again (%s): it is due again when its lease ends, uncounted",
+                "%s %d message(s) on %s was interrupted (%r) and could not be made again "
+                "(%s): the stop releases them, due when a lease ends",
+                doing,
+                len(envs),
                 source.name,
-                env.key,
                 exc,
                 failure,
             )
             return
         log.warning(
-            "recording the failure of %s/%s was interrupted (%r): recorded again (%s)",
+            "%s %d message(s) on %s was interrupted (%r): made again",
+            doing,
+            len(envs),
             source.name,
-            env.key,
             exc,
-            outcome.name,
         )
 
     def _autocommit_session(self) -> Session | None:
@@ -1466,7 +1468,7 @@ class BaseWorker(Generic[S]):
                 # awaited its reply, Ctrl-C): the handlers succeeded, and the acknowledgement
                 # may not have committed. Made again; else the stop released the messages, and
                 # they ran again without a word.
-                self._give_back_interrupted(reg, exc, (), acks=self._in_flight.current(reg, envs))
+                self._settle_again(reg, self._in_flight.current(reg, envs), exc)
                 raise
         self._in_flight.pop(reg, *envs)
         return after
@@ -1605,7 +1607,7 @@ class BaseWorker(Generic[S]):
                 exc,
             )
         except BaseException as exc:
-            if got is None:  # the statement's outcome is unknown (_handle acks again)
+            if got is None:  # the statement's outcome is unknown (_handle settles again)
                 self._give_back_interrupted(reg, exc, [], s.info.get(FUSED))
             else:
                 self._give_back_interrupted(reg, exc, got[1].envelopes)
@@ -1677,7 +1679,7 @@ class BaseWorker(Generic[S]):
                 # Interrupted while it recorded the failure (the asyncio stop's cancel as the
                 # statement awaited its reply): recorded again, or the stop released the
                 # message uncounted (a poison message stopped that way ran for ever).
-                self._nack_interrupted(reg, env, error, exc)
+                self._settle_again(reg, [env], exc, error)
                 raise
             log_failure(reg.source.name, env.key, env.attempt, error, outcome)
             self.hooks.failed(reg.queue, env, error, outcome or NackOutcome.STALE)
