@@ -355,6 +355,12 @@ class Runtime(Protocol):
         runtime)."""
         ...
 
+    def to_its_end(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` run to its end, whatever cancellations the calling task gets meanwhile (on
+        the asyncio runtime, in a task of its own; an anyio cancel scope cancels again at every
+        await); for work the caller makes on its way out after an interruption."""
+        ...
+
     def sleep(self, seconds: float) -> None:
         """Sleep; a stop request does not cut it short (settles finish during a drain)."""
         ...
@@ -1195,17 +1201,23 @@ class BaseWorker(Generic[S]):
         that ends on an error or an interruption holds unsettled. One try, in a transaction of
         its own; a failure is logged. Without it, the rows stayed leased under tokens nobody
         held, and the end of the lease counted an attempt that no handler made (dead
-        unhandled, with one attempt allowed)."""
+        unhandled, with one attempt allowed). Run to its end whatever cancellations follow."""
         if not (taken or sent):
             return  # the take's transaction never committed: it holds nothing
         source = reg.source
-        given = 0
-        try:
+
+        def give() -> int:
+            given = 0
             with self.rt.session() as s, s.begin():
                 if sent is not None:
                     given += source.release_fused(s, *sent)
                 for env in taken:
                     given += bool(source.release(s, env))
+            return given
+
+        try:
+            # To its end: the cancellation that interrupted the take may come again (anyio).
+            given: int = self.rt.to_its_end(give)
         except Exception as error:
             log.error(
                 "a take on %s was interrupted (%r), and what it holds could not be given back "
@@ -1234,19 +1246,24 @@ class BaseWorker(Generic[S]):
         """After ``exc`` interrupted the settle of ``envs`` (the asyncio stop's cancel as its
         statement awaited the reply, Ctrl-C), whose handlers ran: acknowledge them again, or
         with ``error`` record their failure again. One try, in a transaction of its own,
-        refused where the first committed. Without it the stop released them: a success ran
+        refused where the first committed, run to its end whatever cancellations follow. Without it the stop released them: a success ran
         again without a word, a failure went uncounted (a poison message, for ever)."""
         if not envs:
             return
         source = reg.source
         doing = "acknowledging" if error is None else "recording the failure of"
-        try:
+
+        def again() -> None:
             with self.rt.session() as s, s.begin():
                 if error is None:
                     self._acknowledge(s, reg, list(envs))
                 else:
                     for env in envs:
                         source.nack(s, env, error)
+
+        try:
+            # To its end: the cancellation that cut the first short may come again (anyio).
+            self.rt.to_its_end(again)
         except Exception as failure:
             log.error(
                 "%s %d message(s) on %s was interrupted (%r) and could not be made again "
@@ -2032,8 +2049,9 @@ class BaseWorker(Generic[S]):
             own = self._in_flight.take_back()
             if self.rt.stopping and is_cancellation(exc):
                 # A handler the cancellation left running (its work in a thread) would run
-                # beside the consumer that took its message next: given back as a stop does.
-                self._release_in_flight(own)
+                # beside the consumer that took its message next: given back as a stop does,
+                # to its end whatever cancellations follow (anyio's come at every await).
+                self.rt.to_its_end(lambda: self._release_in_flight(own))
                 raise
             held: dict[int, tuple[Registration, list[Envelope[Any]]]] = {}
             for reg, env in own:

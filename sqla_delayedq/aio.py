@@ -440,6 +440,18 @@ class AsyncRuntime:
         # nothing twice). One that still holds work (a missing await) fails the attempt.
         return refuse_unrun(handler, result, awaits=True)
 
+    def to_its_end(self, fn: Callable[[], Any]) -> Any:
+        result: list[Any] = []
+
+        async def work() -> None:
+            result.append(await greenlet_spawn(fn))
+
+        # The cancellations absorbed meanwhile: the caller is on its way out with the first.
+        cancelled = await_only(_to_its_end(work()))
+        if not result:  # ``work`` itself cancelled (not by the caller's task): not finished
+            raise cancelled or asyncio.CancelledError()
+        return result[0]
+
     def sleep(self, seconds: float) -> None:
         await_only(asyncio.sleep(seconds))
 

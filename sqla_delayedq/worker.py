@@ -91,6 +91,9 @@ class ThreadRuntime:
     def call(self, handler: Callable[..., Any], *args: Any) -> Any:
         return call_sync_handler(handler, *args)
 
+    def to_its_end(self, fn: Callable[[], Any]) -> Any:
+        return fn()
+
     def sleep(self, seconds: float) -> None:
         time.sleep(seconds)
 

@@ -653,13 +653,15 @@ def test_a_process_due_call_that_returns_leaves_the_others_running_on_one_worker
     assert pending(backend, q) == 0
 
 
+@pytest.mark.parametrize("how", ["a timeout", "an anyio task group"])
 def test_a_cancelled_asyncio_process_due_gives_back_a_running_handlers_message_a_lease_later(
-    backend,
+    backend, how
 ):
-    """``AsyncWorker.process_due`` is cancelled (a timeout) while a handler's work goes on in
-    a thread, which a cancellation cannot stop: its message is given back due a lease from
-    now, uncounted, as a stop gives it back, and no other consumer runs it beside that
-    handler. Given back due at once, a consumer polling took it and ran it twice at once."""
+    """``AsyncWorker.process_due`` is cancelled (a timeout, or an anyio task group's
+    cancellation, which comes again at every await) while a handler's work goes on in a
+    thread, which a cancellation cannot stop: its message is given back due a lease from now,
+    uncounted, as a stop gives it back, and no other consumer runs it beside that handler.
+    Given back due at once, a consumer polling took it and ran it twice at once."""
     done = threading.Event()
     runs: list[str] = []
 
@@ -674,8 +676,14 @@ def test_a_cancelled_asyncio_process_due_gives_back_a_running_handlers_message_a
     runner.register(q, slow, mode="lease")  # a plain function: its work runs in a thread
 
     async def cut_short() -> None:
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(runner.worker.process_due(), 0.5)
+        if how == "a timeout":
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(runner.worker.process_due(), 0.5)
+        else:
+            import anyio
+
+            with anyio.move_on_after(0.5):
+                await runner.worker.process_due()
         await runner.engine.dispose()
 
     try:
@@ -753,10 +761,14 @@ def test_an_asyncio_run_cancelled_again_and_again_releases_what_its_handlers_hol
             assert info.scheduled_at is not None and info.scheduled_at >= before + lease
 
 
-def stop_while_its_settle_waits(backend: Any, q: DelayedQueue[Any], fails: bool) -> list[str]:
+def stop_while_its_settle_waits(
+    backend: Any, q: DelayedQueue[Any], fails: bool, how: str = "a stop"
+) -> list[str]:
     """The asyncio stop (drain timeout 0) cancels a consumer while the settle of its handler
     (an acknowledgement, or with ``fails`` the record of the failure) awaits its reply: another
-    transaction holds the message's row. The keys the handler ran on."""
+    transaction holds the message's row. ``how="an anyio task group"``: ``process_due`` in a
+    task group whose cancellation comes again at every await, the settle made again included.
+    The keys the handler ran on."""
     offer(backend, q, "m")
     table = cast(sa.Table, DelayedMessage.__table__)
     locked, settling = threading.Event(), threading.Event()
@@ -783,12 +795,21 @@ def stop_while_its_settle_waits(backend: Any, q: DelayedQueue[Any], fails: bool)
     runner.worker.register(q, handle, mode="lease")
 
     async def main() -> None:
-        task = asyncio.create_task(runner.worker.run(install_signal_handlers=False))
         try:
-            assert await asyncio.to_thread(settling.wait, 20)
-            await asyncio.sleep(0.3)  # its settle waits for the row
-            runner.worker.request_stop()
-            await task
+            if how == "an anyio task group":
+                import anyio
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(runner.worker.process_due)
+                    assert await asyncio.to_thread(settling.wait, 20)
+                    await asyncio.sleep(0.3)  # its settle waits for the row
+                    tg.cancel_scope.cancel()
+            else:
+                task = asyncio.create_task(runner.worker.run(install_signal_handlers=False))
+                assert await asyncio.to_thread(settling.wait, 20)
+                await asyncio.sleep(0.3)
+                runner.worker.request_stop()
+                await task
         finally:
             await runner.engine.dispose()
 
@@ -796,13 +817,14 @@ def stop_while_its_settle_waits(backend: Any, q: DelayedQueue[Any], fails: bool)
     return runs
 
 
-def test_a_stop_that_cancels_an_asyncio_acknowledgement_makes_it_again(server_backend):
+@pytest.mark.parametrize("how", ["a stop", "an anyio task group"])
+def test_a_stop_that_cancels_an_asyncio_acknowledgement_makes_it_again(server_backend, how):
     """The asyncio stop (a drain timeout of 0) cancelled a consumer while its succeeded
     handler's acknowledgement awaited its reply (here: another transaction holds the row). The
     acknowledgement was dropped and the stop released the message, which ran again a lease
     later without a word (1 in 40 stops on PostgreSQL, 11 in 40 on MariaDB, in review)."""
     q: DelayedQueue[Any] = DelayedQueue("ack-cancelled", lease=timedelta(seconds=2))
-    assert stop_while_its_settle_waits(server_backend, q, fails=False) == ["m"]
+    assert stop_while_its_settle_waits(server_backend, q, fails=False, how=how) == ["m"]
     assert pending(server_backend, q) == 0  # acknowledged, not released to run again
 
 
@@ -846,14 +868,15 @@ def test_a_handler_s_own_cancellation_during_a_drain_is_a_failed_attempt(backend
     assert "CancelledError" in (info.last_error or "")
 
 
-def test_a_stop_that_cancels_an_asyncio_failure_record_records_it_again(server_backend):
+@pytest.mark.parametrize("how", ["a stop", "an anyio task group"])
+def test_a_stop_that_cancels_an_asyncio_failure_record_records_it_again(server_backend, how):
     """As for an acknowledgement: the stop cancelled the record of a failed attempt as it
     awaited its reply. The stop then released the message, uncounted, so a poison message
     stopped that way ran for ever; the failure is now recorded again."""
     retry = ExponentialBackoff(max_attempts=3, initial=timedelta(hours=1), jitter=0)
     q: DelayedQueue[Any] = DelayedQueue("nack-cancelled", lease=timedelta(seconds=2), retry=retry)
     before = datetime.now(UTC)
-    assert stop_while_its_settle_waits(server_backend, q, fails=True) == ["m"]
+    assert stop_while_its_settle_waits(server_backend, q, fails=True, how=how) == ["m"]
     with server_backend.Session() as s:
         info = q.get(s, "m")
     assert info is not None and info.attempts == 1 and info.last_error is not None
