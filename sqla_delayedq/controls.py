@@ -77,6 +77,9 @@ PUSHED_REFRESH = 30.0
 MISSING_RECHECK = 30.0
 #: How soon a consumer that found a queue at its in-flight limit tries again, at most.
 LIMITED_RETRY = 0.25
+#: Slack in the rate window's comparisons of epoch seconds (floats): below the microsecond
+#: between two stamps, above a float's rounding of epoch seconds (about 0.24 µs).
+ROUNDING = 5e-7
 #: At most about this many entries in a rate window: beyond it, takes close in time share one
 #: (``rate_log`` is a TEXT column, 65,535 bytes on MariaDB/MySQL: some 2,700 entries).
 MAX_RATE_LOG = 500
@@ -426,7 +429,10 @@ def admit(
     if controls.rate_limit is not None and row.rate_period is not None:
         stamp = now.timestamp()
         # A take exactly one period ago still counts: no closed window holds more than the limit.
-        window = [e for e in json.loads(row.rate_log or "[]") if e[0] >= stamp - row.rate_period]
+        # Half a microsecond of slack: floats hold neither the stamps nor a period of 0.1 s
+        # exactly, and ``stamp - period`` could round past a take made one period ago.
+        since = stamp - row.rate_period - ROUNDING
+        window = [e for e in json.loads(row.rate_log or "[]") if e[0] >= since]
         room = controls.rate_limit - sum(int(e[1]) for e in window)
         if room <= 0:
             wait = max(0.0, min(e[0] for e in window) + row.rate_period - stamp) + 0.001

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -28,6 +28,7 @@ from sqla_delayedq import (
 )
 from sqla_delayedq.aio import AsyncQueue
 from sqla_delayedq.models import controls_table
+from sqla_delayedq.testing import ManualClock
 from tests.fix_workers import running
 from tests.test_worker import offer, wait_for
 
@@ -128,6 +129,31 @@ def test_the_rate_limit_counts_takes_in_a_sliding_window(backend, make_queue, cl
     clock.advance(timedelta(milliseconds=1))
     assert len(poll(backend, q, 10)) == 3  # the first take left the window, the second not
     assert poll(backend, q, 10) == []
+
+
+@pytest.mark.parametrize("period", [0.1, 0.3])
+def test_a_take_exactly_one_short_period_ago_still_counts(backend, make_queue, period):
+    """The closed window for a period that floats cannot hold exactly (0.1 s, 0.3 s): at
+    some instants ``now - period`` rounded past the earlier take, which then left the window
+    a period early, and the limit was taken twice in one window (found in review: at 40 % of
+    instants for 0.1 s)."""
+    base = datetime(2030, 1, 1, 12, tzinfo=UTC)
+    step = timedelta(seconds=period)
+    t0 = next(
+        at
+        for at in (base + timedelta(microseconds=us) for us in range(1, 100_000))
+        if not (at.timestamp() >= (at + step).timestamp() - period)
+    )
+    clock = ManualClock(t0)
+    q = make_queue("rated-short", clock=clock)
+    with backend.Session() as s, s.begin():
+        q.set_limits(s, rate=(2, step))
+    offer_many(backend, q, 10)
+    assert len(poll(backend, q, 10)) == 2
+    clock.advance(step)  # exactly one period later: [t0, t0 + period] is one closed window
+    assert poll(backend, q, 10) == []
+    clock.advance(timedelta(microseconds=1))
+    assert len(poll(backend, q, 10)) == 2
 
 
 def test_a_rate_set_again_still_counts_the_takes_of_its_period(backend, make_queue, clock):
