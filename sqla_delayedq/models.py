@@ -28,6 +28,7 @@ from sqlalchemy import (
     Boolean,
     CheckConstraint,
     Column,
+    Double,
     Float,
     Index,
     Integer,
@@ -313,7 +314,12 @@ controls_table = Table(
     Column("max_in_flight", Integer, nullable=True),
     #: At most ``rate_limit`` takes per ``rate_period`` seconds (any window of that length).
     Column("rate_limit", Integer, nullable=True),
-    Column("rate_period", Float, nullable=True),
+    #: Double precision on every backend (a ``FLOAT`` is single precision on MariaDB/MySQL).
+    Column(
+        "rate_period",
+        Float().with_variant(Double(), "mysql", "mariadb"),
+        nullable=True,
+    ),
     #: The takes inside the current window: JSON ``[[epoch seconds, count], ...]``.
     Column("rate_log", Text, nullable=True),
     Column("updated_at", DateTimeUTC(), nullable=False),

@@ -110,6 +110,20 @@ def schema_diff(
         return list(compare_metadata(context, cast(Any, target)))
 
 
+def schema_diff_before_0008(engine: Engine) -> list[Any]:
+    """:func:`schema_diff` against the models at a revision before ``delayedq_0008``: less the
+    change it makes (``rate_period`` in double precision on MariaDB/MySQL)."""
+
+    def made_by_0008(change: Any) -> bool:
+        ops = change if isinstance(change, list) else [change]
+        return all(op[0] == "modify_type" and op[2:4] == CONTROLS_PERIOD for op in ops)
+
+    return [change for change in schema_diff(engine, metadata) if not made_by_0008(change)]
+
+
+CONTROLS_PERIOD = ("delayedq_queue_controls", "rate_period")
+
+
 def table_names(engine: Engine) -> set[str]:
     return set(sa.inspect(engine).get_table_names()) - VERSION_TABLES
 
@@ -525,7 +539,7 @@ def test_headers_and_groups_revisions_keep_the_rows_of_a_0004_table(
 
     assert [row[:-3] for row in rows(engine, "delayed_queue")] == before
     assert {row[-3:] for row in rows(engine, "delayed_queue")} == {(None, None, 0)}
-    assert schema_diff(engine, metadata) == []
+    assert schema_diff_before_0008(engine) == []
     queue: DelayedQueue[dict[str, int]] = DelayedQueue("q", groups=True, priorities=True)
     with Session(engine) as session, session.begin():
         queue.offer(session, "urgent", {"i": -2}, priority=5)
@@ -572,7 +586,7 @@ def test_partial_lock_token_index_revision_keeps_the_rows_of_a_0006_table(
 
     assert rows(engine, "delayed_queue") == before
     assert_queue_table(backend, engine, "delayed_queue")
-    assert schema_diff(engine, metadata) == []
+    assert schema_diff_before_0008(engine) == []
     with Session(engine) as session, session.begin():
         assert queue.ack_many(session, leased) == 3
         assert queue.counts(session).pending == 97
@@ -585,6 +599,35 @@ def test_partial_lock_token_index_revision_keeps_the_rows_of_a_0006_table(
     assert lock_token_index(backend, engine, "delayed_queue") == (
         "full" if backend == "mariadb" else "partial"
     )
+
+
+def test_rate_period_revision_keeps_a_long_period_exact(
+    fresh_database: tuple[str, URL], engine_for: Any
+) -> None:
+    """``delayedq_0008``: the rate period in double precision on MariaDB/MySQL, where a
+    ``FLOAT`` read ``12 days, 1 s`` back as 12 days (a window shorter than the one set; found in
+    review). Elsewhere it was double precision already, and the revision changes nothing."""
+    backend, url = fresh_database
+    engine = engine_for(url)
+    config = alembic_config(None, url)
+    command.upgrade(config, "delayedq_0007")
+    queue: DelayedQueue[dict[str, int]] = DelayedQueue("q")
+    period = dt.timedelta(days=12, seconds=1)
+
+    def stored() -> dt.timedelta | None:
+        with Session(engine) as session, session.begin():
+            queue.set_limits(session, rate=(1, period))
+        with Session(engine) as session:
+            return queue.controls(session).rate_period
+
+    assert stored() == (dt.timedelta(days=12) if backend == "mariadb" else period)
+
+    command.upgrade(config, "delayedq_0008")
+
+    assert schema_diff(engine, metadata) == []
+    assert stored() == period
+    command.downgrade(config, "delayedq_0007")
+    assert schema_diff_before_0008(engine) == []
 
 
 #: A host revision that adds the headers and group columns to a table made by an earlier version.
