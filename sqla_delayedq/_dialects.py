@@ -868,7 +868,9 @@ class MySQLStrategy(Strategy):
     InnoDB's ``INSERT IGNORE`` leaves a *shared* lock on a duplicate key. Racing offers of one
     key that all hold it and then need the row exclusively (to update it) deadlock. ``INSERT ...
     ON DUPLICATE KEY UPDATE id = id`` takes the exclusive lock at once, so racers queue for the
-    row instead; the insert id says whether the row is new (0 for a duplicate). A multi-row
+    row instead (a batch racing single offers of the same new keys can still deadlock: the two
+    forms lock the row and its key's entry in opposite orders; ``TransientError``, retried by the
+    caller); the insert id says whether the row is new (0 for a duplicate). A multi-row
     insert stamps its rows with a random lock token, reads back which keys carry it, and clears
     it before the transaction commits. The rows an upsert found are then read without a lock
     clause: they are already locked, and a locking read could wait on (and deadlock with) a
