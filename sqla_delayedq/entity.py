@@ -48,7 +48,7 @@ from datetime import datetime, timedelta
 from types import SimpleNamespace
 from typing import Any, Final, TypeVar, cast
 
-from sqlalchemy import Column, Integer, String, Table, Text, and_, case, func, select
+from sqlalchemy import Column, Integer, String, Table, Text, and_, case, func, or_, select
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy import update as sa_update
 from sqlalchemy.engine import CursorResult, Result
@@ -547,7 +547,10 @@ class EntityQueue(LeasedQueue[M]):
         if _rowcount(session.execute(stmt)) != 1:
             # Scheduled again while in flight: end the hold (see schedule), settle nothing.
             return self._settle_held(session, "done", envelope.id, envelope.lock_token, {})
-        self._mirror(envelope.payload, values)
+        # The queue's columns only: the handler's changes stay changes on the snapshot until
+        # this commits. Marked committed here, an ack made again after this transaction failed
+        # (a deadlock, a lost connection) found none and wrote a success without them.
+        self._mirror(envelope.payload, {k: v for k, v in values.items() if k not in changes})
         return True
 
     def _ack_many(self, session: Session, envelopes: Sequence[Envelope[Any]]) -> int:
@@ -659,14 +662,19 @@ class EntityQueue(LeasedQueue[M]):
             return outcome
         c = self.table.c
         # Before the take: due at the envelope's time, with the attempts the take found (one
-        # fewer than it counted when it followed a lost lease).
+        # fewer than it counted when it followed a lost lease), or a succeeded row without a
+        # token, which the take started afresh (attempts from 0, see take_values).
+        found: ColumnElement[bool] = c.queue_attempts.in_(
+            (envelope.attempt - 1, envelope.attempt - 2)
+        )
+        if envelope.attempt == 1:
+            fresh = and_(
+                c.queue_status == EntityStatus.SUCCEEDED, c.queue_lock_token.is_(None)
+            )
+            found = or_(found, fresh)
         restore = (
             sa_update(self.table)
-            .where(
-                self.pk == envelope.id,
-                c.queue_next_attempt_at == envelope.scheduled_at,
-                c.queue_attempts.in_((envelope.attempt - 1, envelope.attempt - 2)),
-            )
+            .where(self.pk == envelope.id, c.queue_next_attempt_at == envelope.scheduled_at, found)
             .values({c.queue_lock_token: envelope.lock_token})
         )
         if _rowcount(session.execute(restore)) != 1:

@@ -854,6 +854,79 @@ def test_a_lease_mode_ack_writes_only_the_columns_the_handler_changed(
     )
 
 
+def test_a_lease_mode_ack_made_again_after_its_transaction_failed_still_writes_the_changes(
+    db: Backend, queue: EntityQueue[Order]
+) -> None:
+    """The worker acknowledges again after a transaction that failed before its commit (a
+    deadlock, a lost connection). The first try had marked the handler's changes committed on
+    its snapshot, so the second wrote a plain success: the row ended succeeded without them
+    (found in review: a payment charged, its reference never stored)."""
+    [order_id] = add_orders(db.Session, 1)
+    with db.Session() as s, s.begin():
+        queue.schedule(s, true())
+    with db.Session(expire_on_commit=False) as s, s.begin():
+        [envelope] = queue.try_poll_many(s, 1)
+    envelope.payload.payment_ref = "pay-1"  # the handler's change, on its snapshot
+    with db.Session() as s:
+        s.begin()
+        assert queue.ack(s, envelope)
+        s.rollback()  # the transaction fails before its commit
+    assert row(db.Session, order_id).queue_status != "succeeded"
+    with db.Session() as s, s.begin():
+        assert queue.ack(s, envelope)
+    order = row(db.Session, order_id)
+    assert (order.payment_ref, order.queue_status) == ("pay-1", "succeeded")
+    assert envelope.payload.queue_status == "succeeded"  # the snapshot shows the settle
+
+
+@pytest.mark.parametrize("how", ["record_failure", "worker"])
+def test_a_fresh_runs_transactional_failure_that_rolls_back_is_counted(
+    db: Backend, clock: FakeClock, how: str
+) -> None:
+    """An entity due again after it succeeded runs afresh (attempts from 0). Its transactional
+    handler raised ``SystemExit``: the take rolled back, and the failure's record looked for
+    the row with one attempt fewer than its take counted, where the row still had the old
+    run's. Nothing was recorded, and every worker ran it again as attempt 1, for ever (found
+    in review)."""
+    queue, order_id = two_attempts_one_order(db, clock)
+    with db.Session() as s, s.begin():
+        [lease] = queue.try_poll_many(s, 1)
+        queue.ack(s, lease)
+    runs: list[int] = []
+    taken: list[Envelope[Order]] = []
+    for _ in range(2):
+        with db.Session() as s, s.begin():  # due again: written by hand, a new run
+            s.execute(
+                sa.update(Order)
+                .where(Order.id == order_id, Order.queue_status == EntityStatus.SUCCEEDED)
+                .values(queue_next_attempt_at=clock())
+            )
+
+        def bail(env: Envelope[Order], session: Session) -> None:
+            runs.append(env.attempt)
+            taken.append(env)
+            raise SystemExit("bail")
+
+        if how == "worker":
+            worker = Worker(db.Session, concurrency=1, listen=False, keep_statistics=False)
+            worker.register(queue, bail, mode="transactional")
+            with pytest.raises(BaseException):
+                worker.process_due()
+        else:
+            with db.Session() as s, pytest.raises(SystemExit), s.begin():
+                queue.process_one(s, bail)
+            with db.Session() as s, s.begin():
+                assert queue.record_failure(s, taken[-1], "bail") is not NackOutcome.STALE
+        clock.advance(timedelta(hours=1))  # past the retry's time
+    worker = Worker(db.Session, concurrency=1, listen=False, keep_statistics=False)
+    worker.register(queue, bail, mode="transactional")
+    assert worker.process_due() == 0
+    order = row(db.Session, order_id)
+    assert runs == [1, 2]  # then out of attempts: not run again
+    assert (order.queue_status, order.queue_attempts) == (EntityStatus.FAILED, 2)
+    assert order.queue_next_attempt_at is None and "bail" in (order.queue_last_error or "")
+
+
 def _deadlock() -> sa.exc.OperationalError:
     import pymysql
 
