@@ -129,8 +129,8 @@ def log_failure(
         )
     elif outcome is NackOutcome.STALE:
         log.warning(
-            "handler failed on %s/%s (attempt %d) after its lease was lost; the failure was "
-            "not recorded: %s",
+            "handler failed on %s/%s (attempt %d); the failure was not recorded, as its lease "
+            "was lost or its row changed since the take (taken again, scheduled, settled): %s",
             queue,
             key,
             attempt,
