@@ -481,14 +481,18 @@ def install_tick(
     _check_max_ticks(max_ticks)
     strategy = strategy_for(session)
     state, found = _lock_state(session, strategy, queue, config)
-    # The time of the pass is read once the state row is locked: a pass that waited for the lock
-    # (another installer, SQLite's writer lock) must not start a new configuration before the
-    # wait, when a tick that fell due meanwhile may have been delivered already.
-    now = queue.now()
     other = state.config_hash != config.config_hash
     # Without a state row, leftovers of any other configuration are stale too. A row another
     # installer created meanwhile holds its progress: only another configuration resets it.
     replaced = other or not found
+    if replaced:
+        _lock_future(session, queue, config, queue.now())
+    # The time of the pass is read once the state row is locked, and the other configuration's
+    # future ticks: a pass that waited for a lock (another installer, SQLite's writer lock, on
+    # MariaDB/MySQL a transactional handler's tick in the prefix's range) must not start a new
+    # configuration before the wait, when a tick that fell due meanwhile may have been
+    # delivered already.
+    now = queue.now()
     # A change (another configuration, or leftovers of one without a state row): the old one
     # keeps its ticks up to the cut, a tick at the cut included (see CHANGE_DELAY); the new one
     # starts just after it, so no instant gets a tick of each.
@@ -556,6 +560,23 @@ def _has_others(session: Session, queue: DelayedQueue[Any], config: CronConfig) 
         t.c.status == "pending",
     )
     return session.execute(stmt.limit(1)).first() is not None
+
+
+def _lock_future(
+    session: Session, queue: DelayedQueue[Any], config: CronConfig, now: datetime
+) -> None:
+    """Lock the ticks of the prefix's other configurations due after ``now``: from here no
+    consumer takes one of them before this pass ends. On MariaDB/MySQL the scan waits for every
+    row of the prefix another transaction holds (a transactional handler's tick too), which the
+    pass's delete would otherwise wait for after it read the time."""
+    t = queue.table
+    stmt = select(t.c.id).where(
+        owned_clause(t, queue.name, config.prefix),
+        _hash_expr(t, config.prefix) != config.config_hash,
+        t.c.status == "pending",
+        t.c.scheduled_at_initially > now,
+    )
+    session.execute(stmt.with_for_update()).all()
 
 
 def _drop_future(

@@ -619,6 +619,66 @@ def test_a_change_by_a_pass_that_waited_for_the_lock_fires_each_tick_once(
     ]
 
 
+def test_a_change_whose_delete_waits_for_a_transactional_handler_fires_each_tick_once(
+    server_backend: Backend, clock: FakeClock, make_queue: Callable[..., DelayedQueue[Any]]
+) -> None:
+    """A deploy changes the configuration while a transactional handler holds an old tick.
+    On MariaDB the pass's delete of the old future ticks waited for that row after the pass
+    had read the time; meanwhile the next old tick fell due and was delivered, and the new
+    configuration, starting from the time read before the wait, fired the same instant again
+    (found in review: 5 runs of 5)."""
+    backend = server_backend
+    queue = make_queue("cron")
+    old = CronConfig("report", PeriodicTick(timedelta(minutes=1)), {"v": 1})
+    new = CronConfig("report", PeriodicTick(timedelta(minutes=1)), {"v": 2})
+    clock.set(utc(2030, 1, 1, 12, 0, 30))
+    run_install(backend.Session, queue, old, lookahead=timedelta(minutes=5))
+    clock.set(utc(2030, 1, 1, 12, 1, 30))
+    delivered: list[Any] = []
+    holding, release = threading.Event(), threading.Event()
+
+    def slow(env: Any, session: Session) -> None:  # a transactional handler of the 12:01 tick
+        delivered.append(env.payload)
+        holding.set()
+        release.wait(30)
+
+    def hold() -> None:
+        with backend.Session.begin() as s:
+            queue.process_one(s, slow)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    results: list[InstallResult] = []
+    deploy = threading.Thread(
+        target=lambda: results.append(
+            run_install(backend.Session, queue, new, lookahead=timedelta(minutes=5))
+        )
+    )
+    try:
+        assert holding.wait(10)
+        deploy.start()
+        deploy.join(1.0)  # on MariaDB the deploy's pass waits for the handler's row
+        clock.set(utc(2030, 1, 1, 12, 2))  # the old configuration's next tick falls due
+        with backend.Session.begin() as s:
+            env = queue.try_poll(s)
+            if env is not None:  # taken before the pass locked it
+                assert queue.ack(s, env)
+                delivered.append(env.payload)
+    finally:
+        release.set()
+        holder.join(30)
+        deploy.join(60)
+    assert results and results[0].replaced
+    for minute in (2, 3, 4):
+        clock.set(utc(2030, 1, 1, 12, minute, 30))
+        with backend.Session.begin() as s:
+            while (env := queue.try_poll(s)) is not None:
+                assert queue.ack(s, env)
+                delivered.append(env.payload)
+    runs = [p["scheduled_for"] for p in delivered]
+    assert sorted(runs) == [f"2030-01-01T12:0{m}:00Z" for m in range(1, 5)], runs
+
+
 def test_uninstall_removes_exactly_the_named_configuration(
     backend: Backend, clock: FakeClock, make_queue: Callable[..., DelayedQueue[Any]]
 ) -> None:
