@@ -193,9 +193,11 @@ class LeasedQueue(abc.ABC, Generic[T]):
         until: datetime,
         limit: int,
         prefix: str,
+        look_ahead: bool = True,
     ) -> Claims:
         """Pick up to ``limit`` due rows (skipping rows other consumers hold) and take them,
-        and say whether more was due."""
+        and say whether more was due: with ``look_ahead``, by picking one row more, which a
+        locking pick holds until the transaction ends; without it, a full take says more."""
 
     def _ack_params(self, envelope: Envelope[Any]) -> dict[str, Any] | None:
         """The parameters of a queue's acknowledgement, for
@@ -298,9 +300,11 @@ class LeasedQueue(abc.ABC, Generic[T]):
         lease: timedelta,
         at: datetime | None = None,
         prefix: str | None = None,
+        look_ahead: bool = True,
     ) -> Polled[T]:
         """The take itself; ``at``: the time every claim of it uses (else the clock's, per
-        claim); ``prefix``: the lock tokens' prefix of every claim (else a new one per claim)."""
+        claim); ``prefix``: the lock tokens' prefix of every claim (else a new one per claim);
+        ``look_ahead``: see :meth:`_claim` (off for a take whose transaction runs the handler)."""
         envelopes: list[Envelope[T]] = []
         more = False
         ahead = UNSEEN
@@ -308,7 +312,9 @@ class LeasedQueue(abc.ABC, Generic[T]):
         while len(envelopes) < n:
             now = self.now() if at is None else at
             prefix = fixed or secrets.token_hex(12) + "."
-            claims = self._claim(session, strategy, now, now + lease, n - len(envelopes), prefix)
+            claims = self._claim(
+                session, strategy, now, now + lease, n - len(envelopes), prefix, look_ahead
+            )
             more = claims.more
             if not claims.claimed:
                 ahead = Ahead(True, claims.next_at) if claims.seen else UNSEEN

@@ -255,7 +255,10 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         until: datetime,
         limit: int,
         prefix: str,
+        look_ahead: bool = True,
     ) -> Claims:
+        # ``look_ahead``: messages' transactional takes do not come here (``consume``); a lease
+        # take in a transaction of the caller's always looks one row ahead.
         if self.grouping is not None:
             strategy.check_group_isolation(session)
         if not self.priorities:

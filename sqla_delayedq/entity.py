@@ -444,14 +444,19 @@ class EntityQueue(LeasedQueue[M]):
         until: datetime,
         limit: int,
         prefix: str,
+        look_ahead: bool = True,
     ) -> Claims:
         """Load due entities with a locking select, then take them (the entities come back with
-        the state the take gave them); the select looks at one more, to say whether more is due."""
-        stmt = st.select_due_entities(self.model, self.shape, now, limit + 1, strategy.poll_lock)
+        the state the take gave them); with ``look_ahead`` the select looks at one more, to say
+        whether more is due."""
+        extra = 1 if look_ahead else 0
+        stmt = st.select_due_entities(
+            self.model, self.shape, now, limit + extra, strategy.poll_lock
+        )
         picked: list[M] = list(session.scalars(stmt))
         if not picked:
             return Claims([], False)
-        more, picked = len(picked) > limit, picked[:limit]
+        more, picked = len(picked) >= limit + extra, picked[:limit]
         ids = [getattr(e, self._pk_key) for e in picked]
         taken = strategy.take_picked(session, self.shape, ids, now, until, prefix)
         claimed = []
@@ -634,7 +639,10 @@ class EntityQueue(LeasedQueue[M]):
         if gate == "limited":
             taken = self._limited_take(session, 1)
         else:
-            taken = self.try_poll_many(session, 1)
+            # No row looked ahead to: this transaction runs the handler, and a row locked to
+            # say whether more is due would be held from other consumers all that time.
+            strategy = strategy_for(session)
+            taken = self._poll(session, strategy, 1, self.lease, look_ahead=False).envelopes
         if not taken:
             return None
         own = gate != "limited" or not leases_apart(session)
