@@ -12,6 +12,7 @@ import argparse
 import datetime as dt
 import io
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -599,6 +600,28 @@ def test_partial_lock_token_index_revision_keeps_the_rows_of_a_0006_table(
     assert lock_token_index(backend, engine, "delayed_queue") == (
         "full" if backend == "mariadb" else "partial"
     )
+
+
+def test_plain_alembic_runs_the_packaged_revisions_from_a_one_line_ini(tmp_path: Path) -> None:
+    """``script_location = sqla_delayedq:migrations`` alone in an ``alembic.ini``, as the docs
+    say: the environment configured logging from any ini file and failed on one without
+    logging sections (``KeyError: 'formatters'``; found in review)."""
+    (tmp_path / "alembic.ini").write_text("[alembic]\nscript_location = sqla_delayedq:migrations\n")
+    url = f"sqlite:///{tmp_path / 'app.sqlite'}"
+    done = subprocess.run(
+        [sys.executable, "-m", "alembic", "-x", f"url={url}", "upgrade", "head"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    engine = create_engine(url, poolclass=sa.NullPool)
+    try:
+        assert "delayed_queue" in table_names(engine)
+    finally:
+        engine.dispose()
 
 
 def test_rate_period_revision_keeps_a_long_period_exact(

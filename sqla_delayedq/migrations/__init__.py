@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 from logging.config import fileConfig
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 __all__ = [
     "BRANCH",
@@ -83,9 +83,12 @@ def run_environment() -> None:
     from ..models import metadata
 
     config = context.config
-    if config.config_file_name is not None and config.attributes.get("configure_logger", True):
-        # Keep loggers that exist already (the application's, the library's) working.
-        fileConfig(config.config_file_name, disable_existing_loggers=False)
+    logs = config.config_file_name is not None and config.file_config.has_section("formatters")
+    if logs and config.attributes.get("configure_logger", True):
+        # Keep loggers that exist already (the application's, the library's) working. An
+        # alembic.ini of only ``[alembic]`` (``script_location = sqla_delayedq:migrations``)
+        # has no logging to set up: ``fileConfig`` failed on it (``KeyError: 'formatters'``).
+        fileConfig(cast(str, config.config_file_name), disable_existing_loggers=False)
 
     def ours(name: str | None, type_: str, parent_names: Any) -> bool:
         return type_ != "table" or name in metadata.tables
