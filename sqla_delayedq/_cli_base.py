@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any, NoReturn, TypeVar, cast
 
 import click
@@ -370,6 +371,25 @@ def require_url(url: str | None) -> str:
     if not url:
         raise BadInput(f"no database URL: pass --url or set ${URL_ENV_VAR}")
     return url
+
+
+def require_sqlite_file(url: str) -> None:
+    """A command that reads or changes a table refuses a SQLite file that does not exist:
+    connecting would create an empty database there (a mistyped path)."""
+    try:
+        parsed = sa.make_url(url)
+    except sa.exc.ArgumentError:
+        return  # create_engine says what is wrong with it
+    path = parsed.database
+    if parsed.get_backend_name() != "sqlite" or not path or path == ":memory:":
+        return
+    if path.startswith("file:") or parsed.query.get("uri"):
+        return  # a URI filename: SQLite's own options decide
+    if not Path(path).exists():
+        raise BadInput(
+            f"no SQLite database at {path!r}: check the path in the URL (a new database is "
+            "made by 'delayedq db upgrade' or by your own migrations)"
+        )
 
 
 def create_db_engine(url: str | sa.URL, **kwargs: Any) -> Engine:

@@ -29,6 +29,7 @@ from ._cli_base import (
     create_db_engine,
     given,
     model_for,
+    require_sqlite_file,
     require_url,
 )
 from ._engine import SYNC_DRIVERS, sync_driver_url
@@ -68,6 +69,11 @@ def import_object(spec: str, what: str) -> Any:
         target: Any = importlib.import_module(module_name)
     except ImportError as exc:
         raise BadInput(f"cannot import module {module_name!r} of {what} {spec!r}: {exc}") from exc
+    except Exception as exc:  # the module itself failed (a missing setting, a bug): one line
+        raise BadInput(
+            f"importing module {module_name!r} of {what} {spec!r} failed: "
+            f"{type(exc).__name__}: {exc} (python -c 'import {module_name}' shows where)"
+        ) from exc
     for part in attr.split("."):
         try:
             target = getattr(target, part)
@@ -255,6 +261,8 @@ def open_db(
         _, db = app_database(ctx, app, table if given(ctx, "table") else None, queues)
     else:
         url = require_url(url)
+        if check_table:
+            require_sqlite_file(url)
         engine = create_db_engine(url, **kwargs)
         ctx.call_on_close(engine.dispose)
         db = Db(url, table, engine, sessionmaker(engine), model_for(table))

@@ -227,6 +227,11 @@ class _Item:
         self.raw: bytes | None = None
         self._values: dict[str, Any] | None = None
 
+    def stored_size(self) -> int:
+        """The length of the payload as serialized (characters, or bytes)."""
+        stored = self.raw if self._text is None else self._text
+        return 0 if stored is None else len(stored)
+
     def store(self, stored: str | bytes) -> None:
         """Keep the payload as serialized."""
         if type(stored) is str:
@@ -274,6 +279,24 @@ def _batched(items: Sequence[str], size: int) -> Iterable[list[str]]:
 
 def chunk_size(strategy: Strategy) -> int:
     return max(1, min(MAX_CHUNK, strategy.max_params // PARAMS_PER_ROW))
+
+
+def _by_size(chunks: list[list[str]], by_key: _ByKey, most: int) -> list[list[str]]:
+    """``chunks`` split where their serialized payloads (each key's first, the one its insert
+    writes) pass ``most`` characters; a payload larger than that goes alone."""
+    out: list[list[str]] = []
+    for keys in chunks:
+        part: list[str] = []
+        size = 0
+        for key in keys:
+            n = by_key.first[key].stored_size()
+            if part and size + n > most:
+                out.append(part)
+                part, size = [], 0
+            part.append(key)
+            size += n
+        out.append(part)
+    return out
 
 
 _SHAPE = "a (key, payload[, at[, group]]) tuple"
@@ -359,6 +382,9 @@ def offer_batch(
     strategy = strategy_for(session)
     chunks = list(_batched(sorted(by_key.first), chunk_size(strategy)))
     arrays = _serialize(q.codec, items, by_key, chunks, strategy.payload_arrays)
+    if strategy.max_chunk_chars is not None and None in arrays:
+        chunks = _by_size(chunks, by_key, strategy.max_chunk_chars)
+        arrays = [None] * len(chunks)
     for keys, array in zip(chunks, arrays, strict=True):
         _offer_chunk(q, session, strategy, keys, by_key, mode, now, array)
     outcomes = [item.outcome for item in items]

@@ -203,7 +203,9 @@ class WorkerMonitor(WorkerHooks):
         self.disabled = True
         log.warning(
             "%s: the dashboard's tables (%s, %s) do not exist, so this worker is not shown "
-            "there; create them with 'delayedq db upgrade' (revision delayedq_0003)",
+            "there; create them with 'delayedq db upgrade' (revision delayedq_0003; beside an "
+            "Alembic history of your own, see docs/alembic.md first), or run the worker without "
+            "monitoring ('delayedq worker --no-monitor')",
             self.worker.name,
             workers_table.name,
             stats_table.name,

@@ -167,7 +167,7 @@ def test_url_flag_wins_over_the_environment(tmp_path: Path) -> None:
         ["stats", "--url", f"sqlite:///{tmp_path / 'none.sqlite'}"],
         env={"DELAYEDQ_DATABASE_URL": "nosuchdialect://x"},
     )
-    assert_one_line_error(result, 1, "table 'delayed_queue' does not exist", "db upgrade")
+    assert_one_line_error(result, 2, "no SQLite database at", "none.sqlite")  # the flag's URL
 
 
 # -- stats -------------------------------------------------------------------------------------
@@ -1309,6 +1309,7 @@ def test_app_with_queues_in_two_tables_picks_by_queue_or_table(
         ("tests.cli_app:jobs", "returned DelayedQueue"),
         ("tests.cli_app:URL_VAR", "is a str; it must be a Worker"),
         ("tests.cli_app:handle", "is a function that takes arguments"),
+        ("tests.cli_broken_app:worker", "failed: KeyError: 'DELAYEDQ_TEST_SETTING"),
     ],
 )
 def test_app_must_name_a_worker(
@@ -1321,11 +1322,23 @@ def test_app_must_name_a_worker(
 # -- tables that are missing or are not message tables -----------------------------------------
 
 
+def test_a_missing_sqlite_file_is_refused_not_created(tmp_path: Path) -> None:
+    """A mistyped SQLite path: connecting created an empty database file there, and the
+    command then said the table was missing (found in review)."""
+    path = tmp_path / "typo.sqlite"
+    for command in (["stats"], ["ls"], ["show", "k"]):
+        result = invoke(f"sqlite:///{path}", *command)
+        assert_one_line_error(result, 2, f"no SQLite database at '{path}'")
+    assert not path.exists()
+
+
 @pytest.mark.parametrize("fresh_database", ["sqlite", "postgresql", "mariadb"], indirect=True)
 def test_a_missing_table_gets_advice_that_fits_it(
     fresh_database: tuple[str, URL], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     u = url_of(fresh_database[1])
+    if fresh_database[0] == "sqlite":  # an empty database file (a missing file is refused)
+        sa.create_engine(fresh_database[1], poolclass=sa.NullPool).connect().close()
     result = invoke(u, "stats")
     assert_one_line_error(
         result, 1, "table 'delayed_queue' does not exist", "create it with 'delayedq db upgrade'"

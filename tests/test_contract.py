@@ -111,6 +111,23 @@ def test_offer_batch_5000_with_repeats_and_existing_keys_is_exact(backend, make_
         assert q.get(s, "k00001").payload == {"i": 1, "old": False}
 
 
+def test_offer_batch_of_large_payloads_fits_each_statement_in_the_server_s_packet(
+    backend, make_queue
+):
+    """1,000 payloads of 20 KB (20 MB): MariaDB refused the one insert of its chunk, larger
+    than its 16 MiB ``max_allowed_packet``, as "server has gone away", a TransientError that
+    failed again on every retry (found in review, through the Spark path)."""
+    q = make_queue()
+    big = "x" * 20_000
+    with backend.Session() as s, s.begin():
+        results = q.offer_batch(s, [(f"k{i:04d}", {"i": i, "text": big}) for i in range(1000)])
+    assert [r.outcome for r in results] == [Outcome.CREATED] * 1000
+    assert rows(backend) == 1000
+    with backend.Session() as s:
+        info = q.get(s, "k0999")
+        assert info is not None and info.payload == {"i": 999, "text": big}
+
+
 # -- try_poll_many -----------------------------------------------------------------------
 
 
