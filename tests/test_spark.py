@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.orm import Session
 
 pytest.importorskip("pyspark", reason="pyspark is not installed (the 'spark' extra)")
 pytest.importorskip("pyarrow")
@@ -480,6 +481,45 @@ def test_spark_unstorable_rows_are_refused_naming_their_key(
     q: DelayedQueue[Any] = DelayedQueue("unstorable")
     with create_engine(url).connect() as conn:
         assert conn.execute(sa.select(sa.func.count()).select_from(q.table)).scalar_one() == 0
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "sqlite"])
+def test_spark_non_finite_doubles_in_struct_payloads_are_refused_naming_their_key(
+    spark: SparkSession, pg: Backend, tmp_path: Path, backend: str
+) -> None:
+    """Spark's ``to_json`` writes a double's NaN or infinity as the strings ``"NaN"`` and
+    ``"Infinity"``: the row went in, and its handler got a string where the column was a
+    double, where ``offer`` refuses the value (found in review). Anywhere in the payload: a
+    field, a nested struct's, an array's element, a map's value, ``payload_columns``."""
+    url = target_url(backend, pg, tmp_path / "nonfinite.sqlite")
+    schema = (
+        "key string, p struct<x: double, inner: struct<y: float>, xs: array<double>,"
+        " m: map<string, double>>"
+    )
+    fine = ("user/fine", (1.5, (2.5,), [3.0, None], {"a": 4.0}))
+    nan, inf = float("nan"), float("inf")
+    cases = [
+        ("user/field", (nan, (0.0,), [], {})),
+        ("user/nested", (0.0, (-inf,), [], {})),
+        ("user/element", (0.0, None, [1.0, inf], {})),
+        ("user/value", (None, (0.0,), None, {"b": nan})),
+    ]
+    for key, value in cases:
+        df = spark.createDataFrame([fine, (key, value)], schema).coalesce(1)
+        with pytest.raises(InvalidArgument, match=f"'{key}'"):
+            offer_dataframe(df, url, "nonfinite", payload="p")
+    flat = spark.createDataFrame([("user/flat", nan, "a")], "key string, x double, s string")
+    with pytest.raises(InvalidArgument, match="'user/flat'"):
+        offer_dataframe(flat, url, "nonfinite", payload_columns=["x", "s"])
+    q: DelayedQueue[Any] = DelayedQueue("nonfinite")
+    with create_engine(url).connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(q.table)).scalar_one() == 0
+    df = spark.createDataFrame([fine], schema)
+    assert offer_dataframe(df, url, "nonfinite", payload="p").created == 1
+    with create_engine(url).connect() as conn, Session(conn) as s:
+        info = q.get(s, "user/fine")
+    assert info is not None
+    assert info.payload == {"x": 1.5, "inner": {"y": 2.5}, "xs": [3.0, None], "m": {"a": 4.0}}
 
 
 @pytest.mark.parametrize("backend", ["postgresql", "sqlite"])

@@ -10,11 +10,13 @@ transactions instead (``_ledger``). Nothing secret is in what the tasks receive 
 
 from __future__ import annotations
 
+import functools
+import operator
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pyarrow as pa  # type: ignore[import-untyped]
 from sqlalchemy.engine import URL
@@ -161,17 +163,65 @@ def _payload_expr(df: DataFrame, payload: str | None, columns: Sequence[str] | N
             raise InvalidArgument("payload_columns must be a non-empty list of column names")
         for c in columns:
             _column(df, c, "payload")
-        return F.to_json(F.struct(*(F.col(c) for c in columns)), JSON_OPTIONS)
+        struct = F.struct(*(F.col(c) for c in columns))
+        kinds = T.StructType([df.schema[c] for c in columns])
+        return _refusing_nonfinite(struct, kinds, F.to_json(struct, JSON_OPTIONS))
     name = "payload" if payload is None else payload
     kind = _column(df, name, "payload")
     if isinstance(kind, T.StringType):
         return F.col(name)  # JSON text, checked by the database as it parses it
     if isinstance(kind, (T.StructType, T.MapType, T.ArrayType)):
-        return F.to_json(F.col(name), JSON_OPTIONS)
+        return _refusing_nonfinite(F.col(name), kind, F.to_json(F.col(name), JSON_OPTIONS))
     raise InvalidArgument(
         f"payload column {name!r} is {kind.simpleString()}; give JSON text (string), a struct, "
         "map or array, or name the fields with payload_columns=[...]"
     )
+
+
+def _refusing_nonfinite(value: Column, kind: Any, text: Column) -> Column:
+    """``text`` (``value`` as JSON), or the bare token ``NaN`` for a row whose doubles or floats
+    hold NaN or an infinity: Spark writes those as the strings ``"NaN"`` and ``"Infinity"``, a
+    payload changed without a word, where ``offer`` refuses them. The bare token is not JSON, so
+    the row is refused by the same check as JSON text that holds it, naming its key."""
+    from pyspark.sql import functions as F
+
+    bad = _nonfinite(value, kind)
+    return text if bad is None else F.when(bad, F.lit("NaN")).otherwise(text)
+
+
+def _nonfinite(value: Column, kind: Any) -> Column | None:
+    """Whether ``value`` (of Spark type ``kind``) holds a non-finite double or float anywhere
+    (struct fields, array elements, map values), never null; None when its type has none."""
+    from pyspark.sql import functions as F
+    from pyspark.sql import types as T
+
+    if not _has_floats(kind):
+        return None
+    if isinstance(kind, (T.DoubleType, T.FloatType)):
+        infinite = F.lit(float("inf"))
+        found = F.isnan(value) | (value == infinite) | (value == -infinite)
+    elif isinstance(kind, T.StructType):
+        fields = [_nonfinite(value.getField(f.name), f.dataType) for f in kind.fields]
+        found = functools.reduce(operator.or_, [f for f in fields if f is not None])
+    else:  # an array or a map, by its elements or values
+        inner = kind.elementType if isinstance(kind, T.ArrayType) else kind.valueType
+        items = value if isinstance(kind, T.ArrayType) else F.map_values(value)
+        found = F.exists(items, lambda x: cast("Column", _nonfinite(x, inner)))
+    return F.coalesce(found, F.lit(False))
+
+
+def _has_floats(kind: Any) -> bool:
+    from pyspark.sql import types as T
+
+    if isinstance(kind, (T.DoubleType, T.FloatType)):
+        return True
+    if isinstance(kind, T.StructType):
+        return any(_has_floats(f.dataType) for f in kind.fields)
+    if isinstance(kind, T.ArrayType):
+        return _has_floats(kind.elementType)
+    if isinstance(kind, T.MapType):
+        return _has_floats(kind.valueType)
+    return False
 
 
 def _at_expr(df: DataFrame, at: str | None) -> Column:
