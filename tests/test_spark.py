@@ -357,6 +357,21 @@ def test_spark_queue_column_payload_columns_and_dead_letters(
     ]
 
 
+def test_spark_payload_fields_with_a_dot_or_a_column_s_name_in_other_case(
+    spark: SparkSession, pg: Backend
+) -> None:
+    """A typed field whose name holds a dot was read as a struct path (``UNRESOLVED_COLUMN``),
+    and ``ID`` passed the check against the message columns, then failed as an ambiguous
+    reference: Spark's names ignore case (found in review)."""
+    q: DelayedQueue[Any] = DelayedQueue("dotted")
+    with pg.Session.begin() as s:
+        q.offer(s, "k", {"a.b": 7, "ID": "x"})
+    df = read_queue(spark, pg.url, "dotted", payload_fields={"a.b": "long"})
+    assert [r["a.b"] for r in df.collect()] == [7]
+    with pytest.raises(InvalidArgument, match="'ID' has the name of a message column"):
+        read_queue(spark, pg.url, "dotted", payload_fields=["ID"])
+
+
 def test_spark_naive_timestamps_are_read_as_utc_under_a_utc_session(
     spark: SparkSession, pg: Backend
 ) -> None:

@@ -55,10 +55,11 @@ def _fields(
         if isinstance(payload_fields, Mapping)
         else dict.fromkeys(payload_fields, "string")
     )
+    folded = {c.casefold() for c in columns}
     for name in fields:
         if not isinstance(name, str) or not name:
             raise InvalidArgument(f"payload field names must be non-empty strings, got {name!r}")
-        if name in columns:
+        if name.casefold() in folded:  # Spark's column names ignore case by default
             raise InvalidArgument(
                 f"payload field {name!r} has the name of a message column; leave that column "
                 "out with columns=[...], or read the field from the payload with from_json"
@@ -214,5 +215,6 @@ def read_queue(
     df = spark.read.format(NAME).schema(ddl).option("plan", task.encode()).load()
     for name, kind in fields.items():
         if kind != "string":
-            df = df.withColumn(name, F.col(name).try_cast(kind))
+            column = F.col(f"`{name.replace('`', '``')}`")  # a dot is part of the name
+            df = df.withColumn(name, column.try_cast(kind))
     return df
