@@ -429,7 +429,7 @@ class LeasedQueue(abc.ABC, Generic[T]):
                 shape.due == until,
                 shape.token.startswith(prefix, autoescape=True),
             )
-            .values({shape.token: None, shape.due: self.now()})
+            .values({shape.token: None, shape.due: self.now(), **dict(st.keeping(shape))})
         )
         return st.affected(session, stmt)
 

@@ -84,6 +84,15 @@ class Shape:
     #: A row due again after it was done (an entity scheduled again by writing its due time,
     #: not by ``schedule``) starts a fresh run: its take counts attempts from 0.
     fresh_when_done: bool = False
+    #: Columns of the table's owner that an update would change on its own (``onupdate``,
+    #: ``server_onupdate``: an entity's ``updated_at``): the queue's statements set them to
+    #: themselves, so that its takes, heartbeats and settles leave them as they were.
+    kept: tuple[Any, ...] = ()
+
+
+def keeping(shape: Shape) -> list[tuple[Any, Any]]:
+    """SET clauses that keep ``shape.kept`` as they are (see :attr:`Shape.kept`)."""
+    return [(column, column) for column in shape.kept]
 
 
 @functools.cache
@@ -494,6 +503,7 @@ def take_values(shape: Shape, lease_until: Any, prefix: Any) -> list[tuple[Any, 
         *values,
         (shape.due, lease_until),
         (shape.token, token_expr(shape, prefix)),
+        *keeping(shape),
     ]
 
 
@@ -878,7 +888,7 @@ def settle(shape: Shape, name: SettleName) -> Delete | Update:
         column: bindparam(str(v), type_=column.type) if isinstance(v, Param) else v
         for column, v in settle_plan(shape, name).items()
     }
-    return update(shape.table).where(guard).values(values)
+    return update(shape.table).where(guard).values({**values, **dict(keeping(shape))})
 
 
 def restart_values(
@@ -920,7 +930,8 @@ def set_held(
 ) -> Update:
     """Lengthen a hold (a new held token and due time) or end it (``token`` None)."""
     guard = and_(shape.id == row_id, shape.token == held_token)
-    return update(shape.table).where(guard).values({shape.token: token, shape.due: due})
+    values = {shape.token: token, shape.due: due, **dict(keeping(shape))}
+    return update(shape.table).where(guard).values(values)
 
 
 def settled_values(shape: Shape, name: SettleName, params: dict[str, Any]) -> dict[Any, Any]:

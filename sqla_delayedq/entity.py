@@ -181,9 +181,18 @@ def succeeded(model: type[M]) -> Select[Any]:
 
 
 def entity_shape(table: Table, pk: Column[Any]) -> st.Shape:
-    """The queue state of an entity table: the mixin's ``queue_`` columns."""
+    """The queue state of an entity table: the mixin's ``queue_`` columns; the owner's columns
+    that update themselves are kept as they are (see ``Shape.kept``)."""
     c = table.c
+    ours = set(QUEUE_ATTRIBUTES)
+    kept = tuple(
+        column
+        for column in table.columns
+        if column.name not in ours
+        and (column.onupdate is not None or column.server_onupdate is not None)
+    )
     return st.Shape(
+        kept=kept,
         table=table,
         id=pk,
         due=c.queue_next_attempt_at,
@@ -427,7 +436,10 @@ class EntityQueue(LeasedQueue[M]):
         after the flush), and ``fetch`` costs an extra ``SELECT`` on MariaDB/MySQL.
         """
         stmt = sa_update(self.model).where(*conds)
-        stmt = stmt.values(values) if isinstance(values, dict) else stmt.ordered_values(*values)
+        if isinstance(values, dict):
+            stmt = stmt.values({**values, **dict(st.keeping(self.shape))})
+        else:
+            stmt = stmt.ordered_values(*values, *st.keeping(self.shape))
         count = _rowcount(session.execute(stmt, execution_options={"synchronize_session": False}))
         for obj in list(session.identity_map.values()):
             if isinstance(obj, self.model):
@@ -582,6 +594,7 @@ class EntityQueue(LeasedQueue[M]):
                         c.queue_lock_token: None,
                         c.queue_attempts: c.queue_attempts + 1,
                         c.queue_last_attempt_at: now,
+                        **dict(st.keeping(self.shape)),
                     }
                 )
             )
@@ -683,7 +696,7 @@ class EntityQueue(LeasedQueue[M]):
         restore = (
             sa_update(self.table)
             .where(self.pk == envelope.id, c.queue_next_attempt_at == envelope.scheduled_at, found)
-            .values({c.queue_lock_token: envelope.lock_token})
+            .values({c.queue_lock_token: envelope.lock_token, **dict(st.keeping(self.shape))})
         )
         if _rowcount(session.execute(restore)) != 1:
             return NackOutcome.STALE

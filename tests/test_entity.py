@@ -951,6 +951,57 @@ def test_a_transactional_take_leaves_the_next_due_entity_to_other_consumers(
         assert queue.counts(s).succeeded == 2
 
 
+class _Stamped(DeclarativeBase):
+    pass
+
+
+class Invoice(EntityQueueMixin, _Stamped):
+    """An entity whose ``revision`` and ``touched`` change on every update of the application."""
+
+    __tablename__ = "eq_invoices"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    total: Mapped[int] = mapped_column(default=0)
+    revision: Mapped[int] = mapped_column(default=0, onupdate=sa.literal_column("revision + 1"))
+    touched: Mapped[str] = mapped_column(sa.String(20), default="new", onupdate="changed")
+
+
+def test_the_queue_s_writes_leave_the_owner_s_self_updating_columns_alone(
+    db: Backend, clock: FakeClock
+) -> None:
+    """Takes, heartbeats, settles and admin calls are ``UPDATE`` statements on the owner's
+    table: SQLAlchemy added every ``onupdate`` column to them, so an ``updated_at`` changed on
+    each take and each heartbeat, where the queue's columns "cannot clash with yours" (found
+    in review). A handler's own change still goes through the ORM's rules."""
+    _Stamped.metadata.create_all(db.engine)
+    try:
+        queue = EntityQueue(Invoice, clock=clock, retry=NO_JITTER, lease=timedelta(minutes=1))
+        with db.Session() as s, s.begin():
+            s.add_all([Invoice(id=1), Invoice(id=2), Invoice(id=3)])
+        with db.Session() as s, s.begin():
+            queue.schedule(s, true())
+        with db.Session(expire_on_commit=False) as s, s.begin():
+            taken = queue.try_poll_many(s, 3)
+        with db.Session() as s, s.begin():
+            [lease] = [e for e in taken if e.id == 1]
+            assert queue.extend(s, lease) is not None
+            assert queue.ack(s, lease)
+            assert queue.nack(s, [e for e in taken if e.id == 2][0], "once") is not None
+            assert queue.release(s, [e for e in taken if e.id == 3][0])
+        with db.Session() as s, s.begin():
+            queue.process_now(s, true())
+            queue.stop(s, Invoice.id == 3)
+        with db.Session() as s:
+            rows = s.execute(sa.select(Invoice.id, Invoice.revision, Invoice.touched)).all()
+        assert sorted(tuple(r) for r in rows) == [(1, 0, "new"), (2, 0, "new"), (3, 0, "new")]
+        with db.Session() as s, s.begin():  # the application's own update still bumps them
+            s.get(Invoice, 1).total = 5
+        with db.Session() as s:
+            assert s.get(Invoice, 1).revision == 1
+    finally:
+        _Stamped.metadata.drop_all(db.engine)
+
+
 def _deadlock() -> sa.exc.OperationalError:
     import pymysql
 
