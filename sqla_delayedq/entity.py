@@ -384,8 +384,9 @@ class EntityQueue(LeasedQueue[M]):
     def stop(self, session: Session, *where: ColumnElement[bool]) -> int:
         """Clear the next attempt of matching pending rows; returns how many.
 
-        The status stays as it was. A consumer holding one of them loses its lease. With no
-        condition, every pending row stops.
+        The status stays as it was. A consumer holding one of them loses its lease, and a
+        ``schedule`` after this does not wait for its handler to end (``schedule`` alone would).
+        With no condition, every pending row stops.
         """
         conds = [*_conditions(where), self.model.queue_next_attempt_at.is_not(None)]
         return self._update(
