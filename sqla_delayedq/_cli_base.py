@@ -376,12 +376,14 @@ def require_url(url: str | None) -> str:
 def require_sqlite_file(url: str) -> None:
     """A command that reads or changes a table refuses a SQLite file that does not exist:
     connecting would create an empty database there (a mistyped path)."""
+    from ._engine import Family, url_family
+
     try:
         parsed = sa.make_url(url)
     except sa.exc.ArgumentError:
         return  # create_engine says what is wrong with it
     path = parsed.database
-    if parsed.get_backend_name() != "sqlite" or not path or path == ":memory:":
+    if url_family(parsed) is not Family.SQLITE or not path or path == ":memory:":
         return
     if path.startswith("file:") or parsed.query.get("uri"):
         return  # a URI filename: SQLite's own options decide

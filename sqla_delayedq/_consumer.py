@@ -1246,8 +1246,9 @@ class BaseWorker(Generic[S]):
         """After ``exc`` interrupted the settle of ``envs`` (the asyncio stop's cancel as its
         statement awaited the reply, Ctrl-C), whose handlers ran: acknowledge them again, or
         with ``error`` record their failure again. One try, in a transaction of its own,
-        refused where the first committed, run to its end whatever cancellations follow. Without it the stop released them: a success ran
-        again without a word, a failure went uncounted (a poison message, for ever)."""
+        refused where the first committed, run to its end whatever cancellations follow.
+        Without it the stop released them: a success ran again without a word, a failure went
+        uncounted (a poison message, for ever)."""
         if not envs:
             return
         source = reg.source

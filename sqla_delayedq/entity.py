@@ -690,9 +690,7 @@ class EntityQueue(LeasedQueue[M]):
             (envelope.attempt - 1, envelope.attempt - 2)
         )
         if envelope.attempt == 1:
-            fresh = and_(
-                c.queue_status == EntityStatus.SUCCEEDED, c.queue_lock_token.is_(None)
-            )
+            fresh = and_(c.queue_status == EntityStatus.SUCCEEDED, c.queue_lock_token.is_(None))
             found = or_(found, fresh)
         restore = (
             sa_update(self.table)

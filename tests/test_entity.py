@@ -910,7 +910,7 @@ def test_a_fresh_runs_transactional_failure_that_rolls_back_is_counted(
         if how == "worker":
             worker = Worker(db.Session, concurrency=1, listen=False, keep_statistics=False)
             worker.register(queue, bail, mode="transactional")
-            with pytest.raises(BaseException):
+            with pytest.raises(SystemExit):
                 worker.process_due()
         else:
             with db.Session() as s, pytest.raises(SystemExit), s.begin():
@@ -986,8 +986,8 @@ def test_the_queue_s_writes_leave_the_owner_s_self_updating_columns_alone(
             [lease] = [e for e in taken if e.id == 1]
             assert queue.extend(s, lease) is not None
             assert queue.ack(s, lease)
-            assert queue.nack(s, [e for e in taken if e.id == 2][0], "once") is not None
-            assert queue.release(s, [e for e in taken if e.id == 3][0])
+            assert queue.nack(s, next(e for e in taken if e.id == 2), "once") is not None
+            assert queue.release(s, next(e for e in taken if e.id == 3))
         with db.Session() as s, s.begin():
             queue.process_now(s, true())
             queue.stop(s, Invoice.id == 3)
