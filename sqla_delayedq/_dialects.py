@@ -470,12 +470,14 @@ class Strategy(abc.ABC):
         grouping: st.Grouping = None,
         boosted: bool = False,
         ahead: bool = False,
+        look_ahead_row: bool = True,
     ) -> Claims:
         """Pick up to ``limit`` due rows (skipping locked ones) and take them; the pick looks
-        at one row more, to say whether more is due. ``grouping``: see :func:`st.group_head`;
-        ``boosted``: only rows with a priority, highest first; ``ahead``: read when the next
-        row is due too, where the take's statement can (see :func:`st.claim_returning`)."""
-        extra = st.look_ahead(grouping)
+        at one row more, to say whether more is due (not without ``look_ahead_row``: a full
+        take then says more). ``grouping``: see :func:`st.group_head`; ``boosted``: only rows
+        with a priority, highest first; ``ahead``: read when the next row is due too, where the
+        take's statement can (see :func:`st.claim_returning`)."""
+        extra = st.look_ahead(grouping) if look_ahead_row else 0
         picked = self._due(session, t, queue, now, limit + extra, grouping, boosted)
         if not picked:
             return Claims([], False)
@@ -724,6 +726,7 @@ class PostgreSQLStrategy(Strategy):
         grouping: st.Grouping = None,
         boosted: bool = False,
         ahead: bool = False,
+        look_ahead_row: bool = True,
     ) -> Claims:
         relaxed = bool(session.info.get(TAKE_ONLY))
         ahead = ahead and grouping is None and not boosted
@@ -741,12 +744,15 @@ class PostgreSQLStrategy(Strategy):
                 boosted,
                 relaxed,
                 self.group_hold(False),
+                look_ahead_row=look_ahead_row,
             )
             return st.claim_ahead(take, t, P.queue, P.now) if ahead else take
 
-        stmt = self.cached(t, f"claim:{grouping}:{boosted}:{relaxed}:{ahead}:{fixed}", build)
+        key = f"claim:{grouping}:{boosted}:{relaxed}:{ahead}:{fixed}:{look_ahead_row}"
+        stmt = self.cached(t, key, build)
         rows = session.execute(stmt, P.take(queue, now, lease_until, limit, prefix)).all()
-        return self._claims(rows, limit + st.look_ahead(grouping), ahead)
+        extra = st.look_ahead(grouping) if look_ahead_row else 0
+        return self._claims(rows, limit + extra, ahead)
 
     @staticmethod
     def _claims(rows: Sequence[Any], full: int, ahead: bool) -> Claims:

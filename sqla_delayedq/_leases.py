@@ -270,6 +270,12 @@ class LeasedQueue(abc.ABC, Generic[T]):
             return self._controlled_poll(session, strategy, n, lease)
         return self._poll(session, strategy, n, lease)
 
+    def _take_in_transaction(self, session: Session, n: int) -> list[Envelope[T]]:
+        """A lease take in a transaction that goes on to run the handlers (a transactional
+        take that keeps its rows, a plain queue's): no row looked ahead to, which the
+        transaction would hold from other consumers until it ends."""
+        return self._poll(session, strategy_for(session), n, self.lease, look_ahead=False).envelopes
+
     def _controlled_poll(
         self, session: Session, strategy: Strategy, n: int, lease: timedelta
     ) -> Polled[T]:

@@ -228,9 +228,10 @@ class _Item:
         self._values: dict[str, Any] | None = None
 
     def stored_size(self) -> int:
-        """The length of the payload as serialized (characters, or bytes)."""
+        """The length of the text its row carries: the payload as serialized (characters, or
+        bytes) and the headers."""
         stored = self.raw if self._text is None else self._text
-        return 0 if stored is None else len(stored)
+        return (0 if stored is None else len(stored)) + len(self.headers or "")
 
     def store(self, stored: str | bytes) -> None:
         """Keep the payload as serialized."""
@@ -282,14 +283,15 @@ def chunk_size(strategy: Strategy) -> int:
 
 
 def _by_size(chunks: list[list[str]], by_key: _ByKey, most: int) -> list[list[str]]:
-    """``chunks`` split where their serialized payloads (each key's first, the one its insert
-    writes) pass ``most`` characters; a payload larger than that goes alone."""
+    """``chunks`` split where the text their rows carry (serialized payloads and headers) may
+    pass ``most`` characters; a row larger than that goes alone. A key offered more than once
+    counts every offer: its row carries one of them, folded (the last, under ``replace``)."""
     out: list[list[str]] = []
     for keys in chunks:
         part: list[str] = []
         size = 0
         for key in keys:
-            n = by_key.first[key].stored_size()
+            n = sum(item.stored_size() for item in by_key[key])
             if part and size + n > most:
                 out.append(part)
                 part, size = [], 0

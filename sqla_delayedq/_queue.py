@@ -257,8 +257,6 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         prefix: str,
         look_ahead: bool = True,
     ) -> Claims:
-        # ``look_ahead``: messages' transactional takes do not come here (``consume``); a lease
-        # take in a transaction of the caller's always looks one row ahead.
         if self.grouping is not None:
             strategy.check_group_isolation(session)
         if not self.priorities:
@@ -274,6 +272,7 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
                 prefix,
                 self.grouping,
                 ahead=True,
+                look_ahead_row=look_ahead,
             )
         claimed: list[Claimed] = []
         for due, boosted in self._probes(now):
@@ -287,6 +286,7 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
                 prefix,
                 self.grouping,
                 boosted,
+                look_ahead_row=look_ahead,
             )
             claimed += got.claimed
             if len(claimed) >= limit:
@@ -369,7 +369,7 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
             if gate == "limited":
                 envelopes = self._limited_take(session, n)
             else:
-                envelopes = self.try_poll_many(session, n)
+                envelopes = self._take_in_transaction(session, n)
             self.ack_many(session, envelopes)
             if gate == "limited" and leases_apart(session):
                 # The lease was committed apart: after a rollback the row is still under it,
@@ -535,7 +535,7 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         keeps other consumers off it) and marked done by its ack, in that transaction. The
         handler gets the envelope :meth:`consume` would give (no token), which
         :meth:`record_failure` finds the row by after a rollback."""
-        taken = self.poll_batch(session, 1).envelopes
+        taken = self._take_in_transaction(session, 1)
         if not taken:
             return None
         leased = taken[0]

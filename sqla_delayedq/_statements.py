@@ -542,6 +542,7 @@ def claim_returning(
     relaxed: bool = False,
     hold: GroupLock | None = None,
     exclude: Any = None,
+    look_ahead_row: bool = True,
 ) -> Update:
     """PostgreSQL: pick with ``SKIP LOCKED`` and take in one statement.
 
@@ -564,6 +565,9 @@ def claim_returning(
 
     ``exclude``: a row id never picked (the row :func:`ack_and_claim` acknowledges in the same
     statement; one statement must not change a row twice).
+
+    Without ``look_ahead_row`` the pick locks no row beyond the limit: for a take whose
+    transaction goes on to run the handler, which would hold that row from other consumers.
     """
     shape = message_shape(t)
     held = hold is not None and grouping is not None
@@ -581,7 +585,7 @@ def claim_returning(
         )
         .where(due)
         .order_by(*take_order(t, boosted))
-        .limit(limit_of(limit, look_ahead(grouping)))
+        .limit(limit_of(limit, look_ahead(grouping) if look_ahead_row else 0))
         .with_for_update(skip_locked=True)
         .cte("picked")
     )

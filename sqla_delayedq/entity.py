@@ -653,10 +653,7 @@ class EntityQueue(LeasedQueue[M]):
         if gate == "limited":
             taken = self._limited_take(session, 1)
         else:
-            # No row looked ahead to: this transaction runs the handler, and a row locked to
-            # say whether more is due would be held from other consumers all that time.
-            strategy = strategy_for(session)
-            taken = self._poll(session, strategy, 1, self.lease, look_ahead=False).envelopes
+            taken = self._take_in_transaction(session, 1)
         if not taken:
             return None
         own = gate != "limited" or not leases_apart(session)

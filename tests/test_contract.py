@@ -126,6 +126,15 @@ def test_offer_batch_of_large_payloads_fits_each_statement_in_the_server_s_packe
     with backend.Session() as s:
         info = q.get(s, "k0999")
         assert info is not None and info.payload == {"i": 999, "text": big}
+    # A key offered twice, small then large: its row carries the large one. Headers of
+    # 7,900 three-byte characters go into every row (24 MB in UTF-8 for 1,000).
+    twice = [(f"t{i:04d}", {"i": i}) for i in range(1000)]
+    twice += [(f"t{i:04d}", {"i": i, "text": big}) for i in range(1000)]
+    with backend.Session() as s, s.begin():
+        assert len(q.offer_batch(s, twice)) == 2000
+        headed = [(f"h{i:04d}", {"i": i}) for i in range(1000)]
+        q.offer_batch(s, headed, headers={"trace": "\u20ac" * 7900})
+    assert rows(backend) == 3000
 
 
 # -- try_poll_many -----------------------------------------------------------------------
@@ -544,6 +553,36 @@ def test_retention_keeps_acked_messages_as_done_then_prunes(backend, make_queue,
     with backend.Session() as s, s.begin():
         assert q.prune(s) == 1
         assert q.get(s, "k") is None
+
+
+@pytest.mark.parametrize("how", ["process_one", "consume"])
+def test_a_transactional_take_under_retention_leaves_the_next_message_to_others(
+    server_backend, make_queue, clock, how
+):
+    """Under retention a transactional take is a lease in the caller's transaction, and it
+    locked one row more than it took (to say whether more was due) until that transaction
+    ended, the handler's: a second consumer found nothing due meanwhile (found in review)."""
+    backend = server_backend
+    q = make_queue(retention=timedelta(days=1))
+    with backend.Session() as s, s.begin():
+        q.offer_batch(s, [("a", {}), ("b", {})])
+    clock.advance(timedelta(seconds=1))  # past their due time (see the entity test's note)
+    seen: list[str] = []
+
+    def second() -> None:
+        with backend.Session() as other, other.begin():
+            if how == "consume":
+                seen.extend(e.key for e in q.consume(other, 1))
+            else:
+                q.process_one(other, lambda env, session: seen.append(env.key))
+
+    with backend.Session() as s, s.begin():
+        if how == "consume":
+            assert len(q.consume(s, 1)) == 1
+            second()
+        else:
+            q.process_one(s, lambda env, session: second())
+    assert seen == ["b"]
 
 
 def test_process_one_under_retention_keeps_a_handled_message_done(backend, make_queue, clock):
