@@ -373,21 +373,28 @@ def require_url(url: str | None) -> str:
     return url
 
 
-def require_sqlite_file(url: str) -> None:
-    """A command that reads or changes a table refuses a SQLite file that does not exist:
-    connecting would create an empty database there (a mistyped path)."""
+def sqlite_file_missing(url: str) -> str | None:
+    """The path of a SQLite file URL whose file does not exist (connecting would create an
+    empty database there); None for anything else."""
     from ._engine import Family, url_family
 
     try:
         parsed = sa.make_url(url)
     except sa.exc.ArgumentError:
-        return  # create_engine says what is wrong with it
+        return None  # create_engine says what is wrong with it
     path = parsed.database
     if url_family(parsed) is not Family.SQLITE or not path or path == ":memory:":
-        return
+        return None
     if path.startswith("file:") or parsed.query.get("uri"):
-        return  # a URI filename: SQLite's own options decide
-    if not Path(path).exists():
+        return None  # a URI filename: SQLite's own options decide
+    return None if Path(path).exists() else path
+
+
+def require_sqlite_file(url: str) -> None:
+    """A command that reads or changes a table refuses a SQLite file that does not exist,
+    rather than create an empty database there (a mistyped path)."""
+    path = sqlite_file_missing(url)
+    if path is not None:
         raise BadInput(
             f"no SQLite database at {path!r}: check the path in the URL (a new database is "
             "made by 'delayedq db upgrade' or by your own migrations)"

@@ -32,6 +32,7 @@ from ._cli_base import (
     queues_option,
     require_url,
     short,
+    sqlite_file_missing,
     url_option,
 )
 from ._cli_target import open_db
@@ -208,15 +209,21 @@ def upgrade(url: str | None, revision: str, sql: bool, as_json: bool) -> None:
 def current(url: str | None, as_json: bool) -> None:
     """The database's migration revision, and whether it is at head."""
     from alembic.command import current as alembic_current
+    from alembic.script import ScriptDirectory
 
     url = require_url(url)
     buffer = io.StringIO()
     config = alembic_config(url, buffer)
-    cur, heads = revisions(url, config)
+    cur: list[str]
+    if sqlite_file_missing(url):  # not initialised: said without creating the file
+        cur, heads = [], sorted(ScriptDirectory.from_config(config).get_heads())
+    else:
+        cur, heads = revisions(url, config)
     if as_json:
         emit_json({"current": cur, "heads": heads, "up_to_date": cur == heads})
         return
-    alembic_current(config)
+    if cur:
+        alembic_current(config)
     lines = [line for line in buffer.getvalue().splitlines() if line.strip()]
     if not lines:
         click.echo("no revision: the database is not initialised; run 'delayedq db upgrade'")

@@ -261,8 +261,7 @@ def open_db(
         _, db = app_database(ctx, app, table if given(ctx, "table") else None, queues)
     else:
         url = require_url(url)
-        if check_table:
-            require_sqlite_file(url)
+        require_sqlite_file(url)
         engine = create_db_engine(url, **kwargs)
         ctx.call_on_close(engine.dispose)
         db = Db(url, table, engine, sessionmaker(engine), model_for(table))

@@ -1326,9 +1326,11 @@ def test_a_missing_sqlite_file_is_refused_not_created(tmp_path: Path) -> None:
     """A mistyped SQLite path: connecting created an empty database file there, and the
     command then said the table was missing (found in review)."""
     path = tmp_path / "typo.sqlite"
-    for command in (["stats"], ["ls"], ["show", "k"]):
+    for command in (["stats"], ["ls"], ["show", "k"], ["doctor"]):
         result = invoke(f"sqlite:///{path}", *command)
         assert_one_line_error(result, 2, f"no SQLite database at '{path}'")
+    result = invoke(f"sqlite:///{path}", "db", "current")  # a deploy script's question
+    assert result.exit_code == 0 and "not initialised" in result.stdout
     assert not path.exists()
 
 

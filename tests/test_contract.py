@@ -128,7 +128,7 @@ def test_offer_batch_of_large_payloads_fits_each_statement_in_the_server_s_packe
         assert info is not None and info.payload == {"i": 999, "text": big}
     # A key offered twice, small then large: its row carries the large one. Headers of
     # 7,900 three-byte characters go into every row (24 MB in UTF-8 for 1,000).
-    twice = [(f"t{i:04d}", {"i": i}) for i in range(1000)]
+    twice: list[tuple[str, dict[str, Any]]] = [(f"t{i:04d}", {"i": i}) for i in range(1000)]
     twice += [(f"t{i:04d}", {"i": i, "text": big}) for i in range(1000)]
     with backend.Session() as s, s.begin():
         assert len(q.offer_batch(s, twice)) == 2000

@@ -370,6 +370,8 @@ def test_spark_payload_fields_with_a_dot_or_a_column_s_name_in_other_case(
     assert [r["a.b"] for r in df.collect()] == [7]
     with pytest.raises(InvalidArgument, match="'ID' has the name of a message column"):
         read_queue(spark, pg.url, "dotted", payload_fields=["ID"])
+    with pytest.raises(InvalidArgument, match="'a' and 'A' differ only in case"):
+        read_queue(spark, pg.url, "dotted", payload_fields={"a": "long", "A": "long"})
 
 
 def test_spark_naive_timestamps_are_read_as_utc_under_a_utc_session(

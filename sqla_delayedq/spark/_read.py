@@ -56,10 +56,17 @@ def _fields(
         else dict.fromkeys(payload_fields, "string")
     )
     folded = {c.casefold() for c in columns}
+    seen: dict[str, str] = {}
     for name in fields:
         if not isinstance(name, str) or not name:
             raise InvalidArgument(f"payload field names must be non-empty strings, got {name!r}")
-        if name.casefold() in folded:  # Spark's column names ignore case by default
+        other = seen.setdefault(name.casefold(), name)
+        if other != name:  # Spark's column names ignore case by default
+            raise InvalidArgument(
+                f"payload fields {other!r} and {name!r} differ only in case, which Spark's "
+                "column names ignore; read one of them from the payload with from_json"
+            )
+        if name.casefold() in folded:
             raise InvalidArgument(
                 f"payload field {name!r} has the name of a message column; leave that column "
                 "out with columns=[...], or read the field from the payload with from_json"
