@@ -562,6 +562,21 @@ def test_a_change_whose_pass_runs_at_a_tick_instant_fires_that_tick_once(
     ]
 
 
+def deliver_each_minute(
+    backend: Backend, queue: DelayedQueue[Any], clock: FakeClock, minutes: tuple[int, ...]
+) -> list[Any]:
+    """The payloads of what is due at half past each of ``minutes`` past 12:00, taken and
+    acknowledged minute by minute."""
+    delivered: list[Any] = []
+    for minute in minutes:
+        clock.set(utc(2030, 1, 1, 12, minute, 30))
+        with backend.Session.begin() as s:
+            while (env := queue.try_poll(s)) is not None:
+                assert queue.ack(s, env)
+                delivered.append(env.payload)
+    return delivered
+
+
 def test_a_change_by_a_pass_that_waited_for_the_lock_fires_each_tick_once(
     backend: Backend, clock: FakeClock, make_queue: Callable[..., DelayedQueue[Any]]
 ) -> None:
@@ -605,12 +620,7 @@ def test_a_change_by_a_pass_that_waited_for_the_lock_fires_each_tick_once(
         blocker.close()
         deploy.join(60)
     assert results and results[0].replaced
-    for minute in (1, 2, 3):
-        clock.set(utc(2030, 1, 1, 12, minute, 30))
-        with backend.Session.begin() as s:
-            while (env := queue.try_poll(s)) is not None:
-                assert queue.ack(s, env)
-                delivered.append(env.payload)
+    delivered += deliver_each_minute(backend, queue, clock, (1, 2, 3))
     runs = [(p["scheduled_for"], p.get("data")) for p in delivered]
     assert runs == [
         ("2030-01-01T12:01:00Z", {"v": 1}),
@@ -669,12 +679,7 @@ def test_a_change_whose_delete_waits_for_a_transactional_handler_fires_each_tick
         holder.join(30)
         deploy.join(60)
     assert results and results[0].replaced
-    for minute in (2, 3, 4):
-        clock.set(utc(2030, 1, 1, 12, minute, 30))
-        with backend.Session.begin() as s:
-            while (env := queue.try_poll(s)) is not None:
-                assert queue.ack(s, env)
-                delivered.append(env.payload)
+    delivered += deliver_each_minute(backend, queue, clock, (2, 3, 4))
     runs = [p["scheduled_for"] for p in delivered]
     assert sorted(runs) == [f"2030-01-01T12:0{m}:00Z" for m in range(1, 5)], runs
 
