@@ -68,6 +68,8 @@ __all__ = ["Dashboard", "dashboard"]
 log = logging.getLogger("sqla_delayedq.web")
 HERE = Path(__file__).resolve().parent
 MAX_ID = 2**63 - 1
+#: A decimal id as the form sends it: ASCII digits only (``"²".isdigit()`` is True).
+DIGITS = re.compile(r"[0-9]+")
 MAX_LIMIT = 500
 DEFAULT_LIMIT = 50
 #: The largest in-flight limit or rate count (the columns are 32-bit integers).
@@ -412,7 +414,7 @@ class Dashboard:
         raw = str(form.get(name) or "")
         if not raw:
             return None
-        if not raw.isdigit() or int(raw) > MAX_ID:
+        if not DIGITS.fullmatch(raw) or int(raw) > MAX_ID:
             raise InvalidArgument(f"{name} must be a whole number, got {raw[:40]!r}")
         return int(raw)
 
@@ -622,7 +624,7 @@ class Dashboard:
             queue = self._required(form, "queue")
             raw_id = str(form.get("id") or "")
             if raw_id:
-                if not raw_id.isdigit() or int(raw_id) > MAX_ID:
+                if not DIGITS.fullmatch(raw_id) or int(raw_id) > MAX_ID:
                     raise InvalidArgument(f"id must be a message id, got {raw_id[:40]!r}")
                 info, changed = await run_in_threadpool(
                     self.data.act_one, action, table, queue, int(raw_id), self._shown(form)

@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from .. import _filters as flt
 from .._cli_stats import QueueStats, list_queues, queue_stats
-from .._codec import RawCodec
+from .._codec import RawCodec, check_text
 from .._consumer import BaseWorker
 from .._engine import create_engine, sync_driver_url
 from .._leases import LeasedQueue
@@ -274,6 +274,7 @@ class Data:
 
     def _exists(self, s: Session, mt: MessageTable, name: str) -> bool:
         """Whether ``name`` holds a message of ``mt`` or has controls (a paused empty queue)."""
+        check_text(name, "queue")  # a NUL: refused here, not by the database (PostgreSQL)
         t = mt.table
         if s.execute(select(t.c.id).where(t.c.queue == name).limit(1)).first() is not None:
             return True
@@ -514,8 +515,13 @@ class Data:
     @staticmethod
     def _changed_by(q: RawQueue, action: str | None, where: MessageFilter) -> MessageFilter:
         """``where`` narrowed to the messages ``action`` changes: process now leaves messages
-        in flight alone (they keep their lease), so a count of pending ones leaves them out."""
-        if action != "process_now" or where.state != "pending":
+        in flight alone (they keep their lease), so a count of pending ones leaves them out; so
+        does a drop by filter, unless the filter asks for messages in flight: a message a
+        worker took after the confirmation (or while the page was open) is being handled."""
+        if action == "process_now":
+            if where.state != "pending":
+                return where
+        elif action != "drop" or where.state == "in_flight":
             return where
         t = q.table
         now = bindparam(None, callable_=q.now, type_=t.c.scheduled_at.type)
