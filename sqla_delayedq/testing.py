@@ -44,7 +44,7 @@ from ._time import LONGEST, require_aware, require_duration
 from ._types import Buried, Envelope, MessageFilter, MessageInfo, NackOutcome, State
 from ._wakeup import subscribe
 from .errors import InvalidArgument
-from .models import DelayedMessage, table_key
+from .models import DelayedMessage, QueueMessageMixin, controls_table, table_key
 from .worker import Worker
 
 if TYPE_CHECKING:
@@ -172,6 +172,9 @@ class QueueDatabase:
     engine: Engine
     sessions: sessionmaker[Session]
     clock: ManualClock
+    #: The message model :meth:`queue` builds queues on: the first of ``models`` with
+    #: :class:`~sqla_delayedq.QueueMessageMixin`.
+    model: type[QueueMessageMixin] = DelayedMessage
     _made: list[DelayedQueue[Any]] = field(default_factory=list, init=False, repr=False)
 
     @overload
@@ -185,8 +188,10 @@ class QueueDatabase:
     def queue(
         self, name: str = "test", *, serializer: Serializer[Any] | None = None, **kwargs: Any
     ) -> DelayedQueue[Any]:
-        """A :class:`~sqla_delayedq.DelayedQueue` on this clock (other arguments as its own)."""
+        """A :class:`~sqla_delayedq.DelayedQueue` on this clock and :attr:`model` (other
+        arguments as its own)."""
         kwargs.setdefault("clock", self.clock)
+        kwargs.setdefault("model", self.model)
         queue: DelayedQueue[Any] = DelayedQueue(name, serializer=serializer, **kwargs)
         self._made.append(queue)
         return queue
@@ -199,10 +204,19 @@ class QueueDatabase:
         return Worker(self.sessions, **kwargs)
 
     def _cleanup(self, created: set[str]) -> None:
+        """Delete the messages of the queues made here from tables that existed before, and
+        their controls (a pause or a limit a test set would hold the next test's queue)."""
+        controls = sa.inspect(self.engine).has_table(controls_table.name)
         with self.engine.begin() as conn:
             for q in self._made:
-                if table_key(q.table) not in created:
+                key = table_key(q.table)
+                if key not in created:
                     conn.execute(sa.delete(q.table).where(q.table.c.queue == q.name))
+                if controls and controls_table.name not in created:
+                    c = controls_table.c
+                    conn.execute(
+                        sa.delete(controls_table).where(c.table_name == key, c.queue == q.name)
+                    )
 
 
 @contextlib.contextmanager
@@ -227,14 +241,18 @@ def queue_database(
     created = {table_key(t) for t in missing}
     if missing:
         tables[0].metadata.create_all(bind, tables=missing)
-    db = QueueDatabase(bind, sessionmaker(bind), clock or ManualClock())
+    messages = [m for m in models if issubclass(m, QueueMessageMixin)]
+    model = messages[0] if messages else DelayedMessage
+    db = QueueDatabase(bind, sessionmaker(bind), clock or ManualClock(), model)
     try:
         yield db
     finally:
         try:
-            db._cleanup(created)
-            if missing:
-                tables[0].metadata.drop_all(bind, tables=missing)
+            try:
+                db._cleanup(created)
+            finally:  # the tables made here go, whatever the clean-up met
+                if missing:
+                    tables[0].metadata.drop_all(bind, tables=missing)
         finally:
             if own:
                 bind.dispose()
@@ -600,6 +618,14 @@ def inline(
         raise InvalidArgument(
             f"inline runs a thread Worker's handlers, got {type(worker).__name__}; for an "
             "AsyncWorker, await drain_async(worker) after the code under test"
+        )
+    silent = sorted(q.name for q in worker.queues if not getattr(q, "notify", True))
+    if silent:
+        # Their offers announce nothing in process: the block ran nothing, and said nothing.
+        raise InvalidArgument(
+            f"inline runs what an offer announces, and queue(s) {', '.join(map(repr, silent))} "
+            "were built with notify=False, which announces nothing; build them with "
+            "notify=True in the test, or call drain(worker) after the code under test"
         )
     state = Inline(worker, max_messages)
     unsubscribe = [subscribe(table, state._wake) for table in {q.wake_key for q in worker.queues}]

@@ -18,11 +18,22 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
+import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import DeclarativeBase
 
-from sqla_delayedq import DelayedQueue, ExponentialBackoff, InvalidArgument, MessageFilter, State
+from sqla_delayedq import (
+    DelayedQueue,
+    ExponentialBackoff,
+    InvalidArgument,
+    MessageFilter,
+    QueueControls,
+    QueueMessageMixin,
+    State,
+)
 from sqla_delayedq._time import LONGEST
 from sqla_delayedq.aio import AsyncWorker
+from sqla_delayedq.models import controls_table
 from sqla_delayedq.testing import (
     DEFAULT_START,
     DrainLimitExceeded,
@@ -174,6 +185,45 @@ def test_queue_database_on_your_engine_cleans_only_its_own_queues(backend) -> No
     with backend.Session() as s:
         assert other.contains(s, "stays")
         assert not q.contains(s, "goes")
+
+
+class _AppBase(DeclarativeBase):
+    pass
+
+
+class AppJob(QueueMessageMixin, _AppBase):
+    """A project's own message table, as docs/testing.md's ``models=`` describes."""
+
+    __tablename__ = "tt_app_jobs"
+
+
+def test_queue_database_builds_its_queues_on_your_model_and_cleans_their_controls(
+    backend,
+) -> None:
+    """``models=(YourMessage,)``: its queues went to ``delayed_queue`` instead (missing there,
+    or another table's). A pause or limit a test set stayed on its queue for the next test
+    (found in review)."""
+    made = not sa.inspect(backend.engine).has_table(controls_table.name)
+    if made:
+        controls_table.create(backend.engine)
+    try:
+        on_app_jobs(backend)
+    finally:
+        if made:
+            controls_table.drop(backend.engine)
+    assert not sa.inspect(backend.engine).has_table("tt_app_jobs")
+
+
+def on_app_jobs(backend: Any) -> None:
+    with queue_database(backend.engine, models=(AppJob,)) as database:
+        q = database.queue("test")
+        assert q.table is AppJob.__table__
+        with database.sessions.begin() as s:
+            q.offer(s, "k", {})
+            q.set_limits(s, rate=(1, timedelta(hours=1)))
+        assert_offered(q, database.engine, key="k")
+    with queue_database(backend.engine, models=(AppJob,)) as database, database.sessions() as s:
+        assert database.queue("test").controls(s) == QueueControls()
 
 
 def test_assert_offered_sees_the_callers_transaction_and_what_it_committed(db) -> None:
@@ -376,6 +426,17 @@ def test_inline_runs_handlers_when_the_offer_commits_never_on_rollback(db) -> No
         signups.offer(s, "cy", {})
     assert ran == ["ann", "welcome/ann"]
     assert_offered(signups, db.engine, key="cy")
+
+
+def test_inline_refuses_a_queue_that_announces_no_offer(db) -> None:
+    """A queue built with ``notify=False`` announces no offer in process: the block ran
+    nothing, raised nothing, and the test passed with the message still pending (found in
+    review)."""
+    quiet = db.queue("quiet", notify=False)
+    worker = db.worker().register(quiet, lambda env: None)
+    refused = pytest.raises(InvalidArgument, match=r"'quiet' were built with notify=False")
+    with refused, inline(worker):
+        pass
 
 
 def test_inline_raises_handler_failures_at_the_end_of_the_block(db) -> None:
