@@ -449,6 +449,13 @@ def worker(
     if processes > 1:
         from .processes import run_processes
 
+        if metrics_port is not None:  # every child would serve it: all but one fail to bind
+            raise BadInput(
+                "--metrics-port serves one process's metrics, and --processes starts several: "
+                "run one worker per port (a process each, as a process manager starts them), "
+                "or use --otel, which pushes each process's figures"
+            )
+
         configure_logging(ctx, log_level)
         ctx.exit(run_processes(target, processes, child_args(target)))
     if is_worker(obj) or is_factory(obj):

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -136,22 +137,33 @@ def _attributes(queue: str, **more: str) -> dict[str, str]:
 
 
 class _HandlerClock:
-    """Per-thread start time of the handler now running.
+    """Per-consumer start time of the handler now running: per thread, or per asyncio task
+    (an ``AsyncWorker``'s consumers share the event loop's thread).
 
     The worker reports ``lag`` just before it calls a handler and ``processed`` or ``failed``
-    after, on the same thread; the clock turns that into a duration for failures too (the
+    after, on the same consumer; the clock turns that into a duration for failures too (the
     ``failed`` hook carries none).
     """
 
     def __init__(self) -> None:
-        self._local = threading.local()
+        self._started: dict[object, float] = {}
+
+    @staticmethod
+    def _consumer() -> object:
+        task = None
+        aio = sys.modules.get("asyncio")  # no asyncio imported: no event loop runs anywhere
+        if aio is not None:
+            try:
+                task = aio.current_task()
+            except RuntimeError:  # no event loop in this thread
+                task = None
+        return (threading.get_ident(), None if task is None else id(task))
 
     def start(self) -> None:
-        self._local.started = time.monotonic()
+        self._started[self._consumer()] = time.monotonic()
 
     def stop(self) -> float | None:
-        started: float | None = getattr(self._local, "started", None)
-        self._local.started = None
+        started = self._started.pop(self._consumer(), None)
         return None if started is None else time.monotonic() - started
 
 

@@ -1319,6 +1319,16 @@ def test_app_must_name_a_worker(
     assert_one_line_error(invoke(None, "ls", "--app", app), 2, fragment)
 
 
+def test_several_processes_cannot_share_one_metrics_port(tmp_path: Path) -> None:
+    """Every child served the same port: all but one failed to bind, three times each, and the
+    supervisor stopped everything with status 1 (found in review). Refused up front."""
+    url = f"sqlite:///{tmp_path / 'w.sqlite'}"
+    result = invoke(
+        url, "worker", "tests.cli_handlers:slow", "-q", "q", "-p", "2", "--metrics-port", "19391"
+    )
+    assert_one_line_error(result, 2, "--metrics-port serves one process's metrics")
+
+
 # -- tables that are missing or are not message tables -----------------------------------------
 
 

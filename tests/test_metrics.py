@@ -164,6 +164,30 @@ def test_a_failure_without_a_start_records_no_duration() -> None:
     assert sample(registry, "delayedq_handler_duration_seconds_count", **failed) is None
 
 
+def test_failed_durations_are_timed_per_asyncio_consumer() -> None:
+    """An ``AsyncWorker``'s consumers are tasks on one thread: the start of each handler was
+    kept per thread, so each ``lag`` overwrote another consumer's and each failure cleared it
+    (3 failures of 0.25 s and more recorded one duration of 0.07 s; found in review)."""
+    import asyncio
+
+    registry = CollectorRegistry()
+    hooks = PrometheusHooks(registry)
+
+    async def consumer(delay: float) -> None:
+        hooks.lag("q", 0.0)
+        await asyncio.sleep(delay)
+        hooks.failed("q", envelope(), RuntimeError("x"), NackOutcome.RETRY_SCHEDULED)
+
+    async def main() -> None:
+        await asyncio.gather(consumer(0.2), consumer(0.25), consumer(0.3))
+
+    asyncio.run(main())
+    failed = {"queue": "q", "outcome": "failed"}
+    assert sample(registry, "delayedq_handler_duration_seconds_count", **failed) == 3
+    total = sample(registry, "delayedq_handler_duration_seconds_sum", **failed)
+    assert total is not None and total >= 0.75
+
+
 class Exploding(WorkerHooks):
     def processed(self, queue: str, envelope: Envelope[Any], seconds: float) -> None:
         raise RuntimeError("metrics backend down")
