@@ -141,6 +141,9 @@ _PG_SESSIONS = text(
     FROM pg_stat_activity
     WHERE (backend_xmin IS NOT NULL OR backend_xid IS NOT NULL) AND pid <> pg_backend_pid()
       AND xact_start < now() - make_interval(secs => :threshold)
+      -- Another database's transactions hold back only shared catalogs (VACUUM of a table
+      -- looks at its own database's); walsenders, of no database, hold every one.
+      AND (datname = current_database() OR datid IS NULL OR datid = 0)
     ORDER BY 6 DESC
     LIMIT 10
     """
@@ -160,6 +163,7 @@ _PG_PREPARED = text(
            extract(epoch FROM now() - prepared) AS seconds
     FROM pg_prepared_xacts
     WHERE prepared < now() - make_interval(secs => :threshold)
+      AND database = current_database()
     ORDER BY prepared
     """
 )
@@ -217,8 +221,12 @@ def _postgresql(conn: Connection, tables: Sequence[str], threshold: float) -> Di
                 user=r.owner,
             )
         )
+    quote = conn.dialect.identifier_preparer.quote_identifier
     for name in tables:
-        row = conn.execute(_PG_TABLE, {"table": name}).first()
+        # Quoted, as in the database: to_regclass folds an unquoted JobQueue to jobqueue.
+        schema, dot, bare = name.partition(".")
+        regclass = f"{quote(schema)}.{quote(bare)}" if dot else quote(name)
+        row = conn.execute(_PG_TABLE, {"table": regclass}).first()
         if row is not None:
             found.tables.append(
                 TableHealth(

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -88,6 +89,32 @@ def test_doctor_command_names_the_blocking_session(server_backend):
     report = json.loads(data.stdout)
     assert pid in [h["pid"] for h in report["holders"]]
     assert report["healthy"] is False
+
+
+def test_a_transaction_in_another_database_does_not_hold_this_one(pg):
+    """A session of another database on the same server was named as holding the horizon and
+    its termination advised, though VACUUM of this database's tables does not wait for it
+    (found in review)."""
+    elsewhere = SimpleNamespace(name=pg.name, url=pg.url.set(database="postgres"))
+    with held_transaction(elsewhere, "other-app") as pid:
+        time.sleep(1.2)
+        with pg.engine.connect() as conn:
+            found = diagnose(conn, ["delayed_queue"], threshold=1)
+    assert pid not in [h.pid for h in found.holders]
+
+
+def test_doctor_reads_a_table_whose_name_has_capitals(pg):
+    """``to_regclass`` folds an unquoted ``JobQueue`` to ``jobqueue``: the table was not found,
+    and its bloat went unreported (found in review)."""
+    with pg.engine.begin() as conn:
+        conn.exec_driver_sql('CREATE TABLE "JobQueue" (id int)')
+    try:
+        with pg.engine.connect() as conn:
+            found = diagnose(conn, ["JobQueue", "public.JobQueue"], threshold=30)
+        assert [t.table for t in found.tables] == ["JobQueue", "public.JobQueue"]
+    finally:
+        with pg.engine.begin() as conn:
+            conn.exec_driver_sql('DROP TABLE "JobQueue"')
 
 
 def test_doctor_reports_dead_rows_a_pinned_horizon_keeps(pg):
