@@ -141,8 +141,10 @@ class ManualClock:
 
     @contextlib.contextmanager
     def use(self, *queues: Any) -> Iterator[ManualClock]:
-        """Make ``queues`` (built elsewhere, e.g. by your application) read this clock inside
-        the block; their own clocks come back after it."""
+        """Make ``queues`` (built elsewhere, e.g. by your application; an ``AsyncQueue`` as the
+        queue it wraps) read this clock inside the block; their own clocks come back after
+        it."""
+        queues = tuple(q if hasattr(q, "clock") else getattr(q, "queue", q) for q in queues)
         saved = [(q, q.clock) for q in queues]
         try:
             for q in queues:

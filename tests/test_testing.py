@@ -428,6 +428,16 @@ def test_inline_runs_handlers_when_the_offer_commits_never_on_rollback(db) -> No
     assert_offered(signups, db.engine, key="cy")
 
 
+def test_manual_clock_use_takes_an_async_queue_as_the_queue_it_wraps(db) -> None:
+    from sqla_delayedq.aio import AsyncQueue
+
+    app_queue: DelayedQueue[Any] = DelayedQueue("app")
+    wrapped = AsyncQueue(app_queue)
+    with db.clock.use(wrapped):
+        assert app_queue.now() == db.clock()
+    assert app_queue.now() != db.clock()
+
+
 def test_inline_refuses_a_queue_that_announces_no_offer(db) -> None:
     """A queue built with ``notify=False`` announces no offer in process: the block ran
     nothing, raised nothing, and the test passed with the message still pending (found in
