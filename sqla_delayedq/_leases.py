@@ -435,7 +435,7 @@ class LeasedQueue(abc.ABC, Generic[T]):
                 shape.due == until,
                 shape.token.startswith(prefix, autoescape=True),
             )
-            .values({shape.token: None, shape.due: self.now(), **dict(st.keeping(shape))})
+            .values({shape.token: None, shape.due: self.now(), **st.keeping(shape)})
         )
         return st.affected(session, stmt)
 

@@ -90,9 +90,9 @@ class Shape:
     kept: tuple[Any, ...] = ()
 
 
-def keeping(shape: Shape) -> list[tuple[Any, Any]]:
+def keeping(shape: Shape) -> dict[Any, Any]:
     """SET clauses that keep ``shape.kept`` as they are (see :attr:`Shape.kept`)."""
-    return [(column, column) for column in shape.kept]
+    return {column: column for column in shape.kept}
 
 
 @functools.cache
@@ -503,7 +503,7 @@ def take_values(shape: Shape, lease_until: Any, prefix: Any) -> list[tuple[Any, 
         *values,
         (shape.due, lease_until),
         (shape.token, token_expr(shape, prefix)),
-        *keeping(shape),
+        *keeping(shape).items(),
     ]
 
 
@@ -892,7 +892,7 @@ def settle(shape: Shape, name: SettleName) -> Delete | Update:
         column: bindparam(str(v), type_=column.type) if isinstance(v, Param) else v
         for column, v in settle_plan(shape, name).items()
     }
-    return update(shape.table).where(guard).values({**values, **dict(keeping(shape))})
+    return update(shape.table).where(guard).values({**values, **keeping(shape)})
 
 
 def restart_values(
@@ -934,7 +934,7 @@ def set_held(
 ) -> Update:
     """Lengthen a hold (a new held token and due time) or end it (``token`` None)."""
     guard = and_(shape.id == row_id, shape.token == held_token)
-    values = {shape.token: token, shape.due: due, **dict(keeping(shape))}
+    values = {shape.token: token, shape.due: due, **keeping(shape)}
     return update(shape.table).where(guard).values(values)
 
 

@@ -570,13 +570,21 @@ def _lock_future(
     row of the prefix another transaction holds (a transactional handler's tick too), which the
     pass's delete would otherwise wait for after it read the time."""
     t = queue.table
-    stmt = select(t.c.id).where(
+    stmt = select(t.c.id).where(*_other_future(queue, config, now))
+    session.execute(stmt.with_for_update()).all()
+
+
+def _other_future(
+    queue: DelayedQueue[Any], config: CronConfig, now: datetime
+) -> tuple[ColumnElement[bool], ...]:
+    """The pending ticks of the prefix's other configurations due after ``now``."""
+    t = queue.table
+    return (
         owned_clause(t, queue.name, config.prefix),
         _hash_expr(t, config.prefix) != config.config_hash,
         t.c.status == "pending",
         t.c.scheduled_at_initially > now,
     )
-    session.execute(stmt.with_for_update()).all()
 
 
 def _drop_future(
@@ -584,13 +592,7 @@ def _drop_future(
 ) -> int:
     """Delete the future ticks of the prefix's other configurations; keep those in flight."""
     t = queue.table
-    stmt = delete(t).where(
-        owned_clause(t, queue.name, config.prefix),
-        _hash_expr(t, config.prefix) != config.config_hash,
-        t.c.status == "pending",
-        t.c.scheduled_at_initially > now,
-        ~_in_flight(t, now),
-    )
+    stmt = delete(t).where(*_other_future(queue, config, now), ~_in_flight(t, now))
     removed = int(session.execute(stmt).rowcount)  # type: ignore[attr-defined]
     if removed:
         logger.info(

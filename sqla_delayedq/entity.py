@@ -438,9 +438,9 @@ class EntityQueue(LeasedQueue[M]):
         """
         stmt = sa_update(self.model).where(*conds)
         if isinstance(values, dict):
-            stmt = stmt.values({**values, **dict(st.keeping(self.shape))})
+            stmt = stmt.values({**values, **st.keeping(self.shape)})
         else:
-            stmt = stmt.ordered_values(*values, *st.keeping(self.shape))
+            stmt = stmt.ordered_values(*values, *st.keeping(self.shape).items())
         count = _rowcount(session.execute(stmt, execution_options={"synchronize_session": False}))
         for obj in list(session.identity_map.values()):
             if isinstance(obj, self.model):
@@ -595,7 +595,7 @@ class EntityQueue(LeasedQueue[M]):
                         c.queue_lock_token: None,
                         c.queue_attempts: c.queue_attempts + 1,
                         c.queue_last_attempt_at: now,
-                        **dict(st.keeping(self.shape)),
+                        **st.keeping(self.shape),
                     }
                 )
             )
@@ -692,7 +692,7 @@ class EntityQueue(LeasedQueue[M]):
         restore = (
             sa_update(self.table)
             .where(self.pk == envelope.id, c.queue_next_attempt_at == envelope.scheduled_at, found)
-            .values({c.queue_lock_token: envelope.lock_token, **dict(st.keeping(self.shape))})
+            .values({c.queue_lock_token: envelope.lock_token, **st.keeping(self.shape)})
         )
         if _rowcount(session.execute(restore)) != 1:
             return NackOutcome.STALE
