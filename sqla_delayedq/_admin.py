@@ -19,7 +19,7 @@ from . import _filters as flt
 from . import _statements as st
 from ._cli_stats import queue_stats
 from ._codec import Codec, check_strings, check_text, decode_headers
-from ._dialects import strategy_for, transient_as_ours
+from ._dialects import transient_as_ours
 from ._rules import check_priority
 from ._time import LONGEST, require_aware, require_duration
 from ._types import MessageFilter, MessageInfo, QueueCounts, State
@@ -180,8 +180,8 @@ class AdminMixin:
         after_id: int | None = None,
     ) -> list[MessageInfo]:
         """Messages matching ``where``, by id; page with ``after_id`` (the last id seen)."""
-        if limit < 1:
-            raise InvalidArgument(f"limit must be >= 1, got {limit}")
+        limit = _id_bound(limit, "limit", least=1)
+        after_id = None if after_id is None else _id_bound(after_id, "after_id", least=0)
         t = self.table
         now = self.now()
         stmt = (
@@ -285,6 +285,10 @@ class AdminMixin:
             values.append((t.c.priority, check_priority(priority)))
         if isinstance(target, str):
             target = MessageFilter(keys=(target,))
+        elif not isinstance(target, MessageFilter):
+            raise InvalidArgument(
+                f"reschedule takes a key (str) or a MessageFilter, got {type(target).__name__}"
+            )
         not_in_flight = flt.state_clause(t, "in_flight", now)
         stmt = (
             update(t)
@@ -336,6 +340,17 @@ def _key(key: Any) -> str:
 
 #: The integers a payload filter compares exactly on every backend (SQLite binds 64 bits).
 _INT_RANGE = range(-(2**63), 2**63)
+#: Floats from here on stand for more than one integer.
+_EXACT_FLOATS = 2.0**53
+
+
+def _id_bound(value: Any, name: str, *, least: int) -> int:
+    """A count or an id to page after: an int from ``least`` to the largest 64-bit id."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidArgument(f"{name} must be an int, got {type(value).__name__}")
+    if not least <= value <= _INT_RANGE[-1]:
+        raise InvalidArgument(f"{name} must be from {least} to {_INT_RANGE[-1]}, got {value}")
+    return value
 
 
 def _check_field_value(name: str, value: str | int | float | bool) -> None:
@@ -346,6 +361,12 @@ def _check_field_value(name: str, value: str | int | float | bool) -> None:
         check_text(value, what)
     elif isinstance(value, float) and not math.isfinite(value):
         raise InvalidArgument(f"{what}: {value} is not a JSON number")
+    elif isinstance(value, float) and abs(value) >= _EXACT_FLOATS:
+        # Beyond 2**53 a double stands for many integers, and the backends disagree on which
+        # stored numbers it matches.
+        raise InvalidArgument(
+            f"{what}: {value!r} is too large to compare exactly as a float; give an int"
+        )
     elif isinstance(value, int) and not isinstance(value, bool) and value not in _INT_RANGE:
         raise InvalidArgument(
             f"{what}: {value} is outside the 64-bit integers every backend compares; "
@@ -362,14 +383,13 @@ def _delete(session: Session, stmt: Delete) -> int:
 def _past_handlers(session: Session, stmt: Delete | Update, again: Delete | Update) -> int:
     """Run an admin change; returns how many messages it changed. A message whose
     transactional handler is running is changed as that handler's transaction leaves it, on
-    every backend: gone if it succeeded, changed if it failed. The handler's take deleted the
-    row, and its failure puts the message back as a new row once it commits; where the
-    statement that waited for it cannot see that row (PostgreSQL), ``again`` (``stmt``, less
-    what ``stmt`` changed already) changes it."""
-    changed = st.affected(session, stmt)
-    if not strategy_for(session).sees_rows_of_awaited_transactions:
-        changed += st.affected(session, again)
-    return changed
+    every backend: gone if it succeeded, changed if it failed. The statement that waited for
+    that transaction can miss the row it left: PostgreSQL's skips the row the take deleted and
+    never sees the one the failure put back; MariaDB/MySQL's, reading through the due index,
+    has passed the entry the row moved to (a queue with ``retention`` keeps it, done or dead).
+    ``again`` (``stmt``, less what ``stmt`` changed already) runs after it, on every backend,
+    and changes what the first one missed."""
+    return st.affected(session, stmt) + st.affected(session, again)
 
 
 def _is_empty(f: MessageFilter) -> bool:

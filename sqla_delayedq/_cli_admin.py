@@ -346,6 +346,8 @@ def reschedule(
     f = build_filter(state=state, key_prefix=key_prefix, where=where)
     if keys:
         f = replace(f, keys=tuple(dict.fromkeys(keys)))
+    if everything and has_conditions(f):
+        raise BadInput("--all moves every pending message: give it without keys or filters")
     if not everything and not has_conditions(f):
         raise BadInput("say what to reschedule: KEYS, --state, --key-prefix, --where, or --all")
     # Only messages the library will move: pending and not in flight.

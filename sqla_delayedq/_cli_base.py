@@ -186,7 +186,12 @@ def datetime_option(*names: str, **kwargs: Any) -> Callable[[F], F]:
             raise click.BadParameter(
                 f"{text!r} has no UTC offset; add one, e.g. {text}Z", ctx, param
             )
-        return parsed.astimezone(UTC)
+        try:
+            return parsed.astimezone(UTC)
+        except OverflowError:
+            raise click.BadParameter(
+                f"{text!r} is outside the datetimes UTC can hold (years 1 to 9999)", ctx, param
+            ) from None
 
     return click.option(*names, metavar="DATETIME", callback=convert, **kwargs)
 

@@ -253,10 +253,16 @@ def list_command(
 
 def list_options(f: Any) -> Any:
     f = click.option(
-        "--after-id", type=int, help="Only messages with a larger id (the last one shown)."
+        "--after-id",
+        type=click.IntRange(min=0, max=2**63 - 1),
+        help="Only messages with a larger id (the last one shown).",
     )(f)
     f = click.option(
-        "--limit", type=click.IntRange(min=1), default=50, show_default=True, help="At most N."
+        "--limit",
+        type=click.IntRange(min=1, max=2**62),
+        default=50,
+        show_default=True,
+        help="At most N.",
     )(f)
     return f
 

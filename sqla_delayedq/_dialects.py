@@ -227,10 +227,6 @@ class Strategy(abc.ABC):
     #: Queues per statement of bounded depth counts (``_cli_stats.bounded_stats_stmt``); 100
     #: stays well under SQLite's limit of 500 selects in one compound statement.
     queues_per_bounded_stats: ClassVar[int] = 100
-    #: Whether a statement that waited for a transaction sees the rows it inserted. A failed
-    #: transactional handler puts its message back as a new row; PostgreSQL's waiting
-    #: ``DELETE`` skips the row that transaction deleted and never sees the new one.
-    sees_rows_of_awaited_transactions: ClassVar[bool] = True
 
     def insert_one(
         self,
@@ -602,7 +598,6 @@ class PostgreSQLStrategy(Strategy):
     payload_arrays = True
     fused_ack = True
     keeps_statistics = True
-    sees_rows_of_awaited_transactions = False
     has_server_clock = True
 
     def server_now(self, session: Session | Connection) -> datetime | None:

@@ -193,12 +193,12 @@ def _json_eq_sqlite(element: JsonFieldEquals, compiler: Any, **kw: Any) -> str:
     column = compiler.process(element.column, **kw)
     path = compiler.process(element.path, **kw)
     types = ", ".join(f"'{t}'" for t in element.json_types())
-    same_type = f"json_type({column}, {path}) IN ({types})"
-    if isinstance(element.value, bool):
-        return f"({same_type})"
-    return (
-        f"({same_type} AND json_extract({column}, {path}) = {compiler.process(element.raw, **kw)})"
-    )
+    test = f"json_type({column}, {path}) IN ({types})"
+    if not isinstance(element.value, bool):
+        test += f" AND json_extract({column}, {path}) = {compiler.process(element.raw, **kw)}"
+    # A message whose stored text is not JSON (SQLite stores any text) matches nothing, and
+    # fails no query; CASE, because SQLite does not promise the order AND evaluates in.
+    return f"(CASE WHEN json_valid({column}) THEN {test} END)"
 
 
 def payload_field(t: Table, name: str, value: Any) -> ColumnElement[bool]:
@@ -260,5 +260,19 @@ def parse_field_filters(items: Sequence[str]) -> dict[str, Any]:
                 f"{item!r}: only strings, numbers and booleans can be matched; "
                 f"quote the value to match it as a string: {name}='\"{raw}\"'"
             )
+        if name in fields and not _same_json(fields[name], value):
+            raise InvalidArgument(
+                f"{name!r} is given twice ({fields[name]!r} and {value!r}); a field holds one "
+                "value, so no message could match both: give it once"
+            )
         fields[name] = value
     return fields
+
+
+def _same_json(a: Any, b: Any) -> bool:
+    """The same JSON value: ``1`` and ``true`` differ, ``1`` and ``1.0`` do not."""
+    return (
+        isinstance(a, bool) is isinstance(b, bool)
+        and isinstance(a, str) is isinstance(b, str)
+        and a == b
+    )

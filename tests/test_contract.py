@@ -1237,3 +1237,43 @@ def test_record_failure_ends_a_hold_on_a_limited_consume(backend, make_queue, cl
     with backend.Session() as s, s.begin():
         [new] = q.try_poll_many(s, 5)
         assert new.payload == {"v": 2} and new.delivery is Delivery.FIRST
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["succeeds", "fails"])
+def test_a_drop_that_waited_for_a_handler_under_retention_deletes_the_row_it_left(
+    server_backend, make_queue, clock, fails
+):
+    """Under retention a transactional handler leaves its message done (or dead, its last
+    attempt failed). On MariaDB a ``drop`` that waited for that handler read through the due
+    index, past the entry the row had moved to: it returned False and the row stayed (found in
+    review)."""
+    import threading
+    import time
+
+    backend = server_backend
+    q = make_queue(retention=timedelta(hours=1), retry=ExponentialBackoff(max_attempts=1))
+    with backend.Session.begin() as s:
+        q.offer(s, "k", {"x": 1})
+    clock.advance(timedelta(seconds=1))
+    running, dropped = threading.Event(), []
+
+    def admin() -> None:
+        running.wait(10)
+        with backend.Session.begin() as other:
+            dropped.append(q.drop(other, "k"))
+
+    thread = threading.Thread(target=admin)
+    thread.start()
+
+    def handler(envelope: Any, session: Any) -> None:
+        running.set()
+        time.sleep(0.5)  # the drop waits for this transaction meanwhile
+        if fails:
+            raise RuntimeError("boom")
+
+    with backend.Session.begin() as s:
+        q.process_one(s, handler)
+    thread.join(30)
+    assert dropped == [True]
+    with backend.Session() as s:
+        assert q.get(s, "k") is None

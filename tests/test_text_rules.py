@@ -4,6 +4,7 @@ holds it, and keys are a collection of strings, so an admin command touches only
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, cast
 
 import pytest
@@ -308,6 +309,9 @@ BAD_FILTERS = {
     "value-nan": MessageFilter(payload={"c": float("nan")}),
     "value-inf": MessageFilter(payload={"c": float("-inf")}),
     "value-2**64": MessageFilter(payload={"c": 2**64}),
+    # A double this large stands for many integers, and the backends disagreed on which.
+    "value-float-2**53": MessageFilter(payload={"c": float(2**53)}),
+    "value-float--2**70": MessageFilter(payload={"c": -float(2**70)}),
     "payload-list": MessageFilter(payload=cast(Any, [("c", 1)])),
 }
 
@@ -333,3 +337,139 @@ def test_a_key_no_backend_can_store_is_refused_by_get_contains_and_drop(backend,
             with pytest.raises(InvalidArgument, match=r"^key"):
                 call(s, bad)
     assert sql == []
+
+
+@pytest.mark.parametrize("target", [None, 5, ("k",)], ids=["none", "int", "tuple"])
+def test_reschedule_of_something_that_is_not_a_key_or_a_filter_is_refused(
+    backend, make_queue, target
+):
+    """``reschedule(s, None)`` (a key looked up in a dict and missing, say) moved every
+    pending message of the queue (found in review)."""
+    q = make_queue()
+    with backend.Session.begin() as s:
+        q.offer_batch(s, [("k", {}), ("other", {})])
+    with (
+        record_sql(backend.engine) as sql,
+        backend.Session.begin() as s,
+        pytest.raises(InvalidArgument, match=r"a key \(str\) or a MessageFilter"),
+    ):
+        q.reschedule(s, target, q.now() + timedelta(days=3650))
+    assert sql == []
+    with backend.Session() as s:
+        assert all(m.scheduled_at <= q.now() for m in q.search(s))
+
+
+BAD_PAGES = {
+    "limit-str": ({"limit": "5"}, "limit must be an int, got str"),
+    "limit-float": ({"limit": 1.5}, "limit must be an int, got float"),
+    "limit-bool": ({"limit": True}, "limit must be an int, got bool"),
+    "limit-0": ({"limit": 0}, "limit must be from 1"),
+    "limit-2**63": ({"limit": 2**63}, "limit must be from 1"),
+    "after-str": ({"after_id": "x"}, "after_id must be an int, got str"),
+    "after-negative": ({"after_id": -1}, "after_id must be from 0"),
+    "after-2**63": ({"after_id": 2**63}, "after_id must be from 0"),
+}
+
+
+@pytest.mark.parametrize(("page", "message"), BAD_PAGES.values(), ids=BAD_PAGES.keys())
+def test_search_refuses_a_page_no_backend_can_read_before_any_sql(
+    backend, make_queue, page, message
+):
+    """``after_id="x"`` returned every row on MariaDB and failed on PostgreSQL; ``2**63``
+    failed with a database error or an ``OverflowError`` (found in review)."""
+    q = make_queue()
+    with backend.Session.begin() as s:
+        q.offer(s, "k", {})
+    with (
+        record_sql(backend.engine) as sql,
+        backend.Session() as s,
+        pytest.raises(InvalidArgument, match=message),
+    ):
+        q.search(s, **page)
+    assert sql == []
+    with backend.Session() as s:
+        assert [m.key for m in q.search(s, limit=2**63 - 1, after_id=0)] == ["k"]
+
+
+def test_a_message_whose_stored_text_is_not_json_fails_no_filter(backend, make_queue):
+    """SQLite stores any text in the payload column: one message whose text was not JSON made
+    every payload filter fail (``malformed JSON``) on the whole queue (found in review).
+    PostgreSQL and MariaDB refuse such text when it is written."""
+    q = make_queue()
+    with backend.Session.begin() as s:
+        q.offer_batch(s, [("good", {"c": 1}), ("broken", {"c": 1}), ("other", {"c": 2})])
+    corrupted = True
+    try:
+        with backend.engine.begin() as conn:
+            text = sa.type_coerce('{"c": 1,', sa.String())  # the text as it is, not as JSON
+            conn.execute(sa.update(T).where(T.c.key == "broken").values(payload=text))
+    except sa.exc.DBAPIError:
+        corrupted = False  # the server refused the text
+    assert corrupted is (backend.name == "sqlite")
+    left = ["good"] if corrupted else ["broken", "good"]
+    one = MessageFilter(payload={"c": 1})
+    with backend.Session() as s:
+        assert sorted(m.key for m in q.search(s, one)) == left
+        assert q.count(s, MessageFilter(payload={"c": 2})) == 1
+        assert {m.key: m.decode_error is not None for m in q.search(s)}["broken"] is corrupted
+    with backend.Session.begin() as s:
+        assert q.drop_where(s, one) == len(left)
+    with backend.Session() as s:
+        assert sorted(m.key for m in q.search(s)) == (
+            ["broken", "other"] if corrupted else ["other"]
+        )
+
+
+def _cli(backend: Any, *args: str) -> Any:
+    from click.testing import CliRunner
+
+    from sqla_delayedq.cli import cli
+
+    url = backend.url.render_as_string(hide_password=False)
+    return CliRunner().invoke(cli, [args[0], "--url", url, *args[1:]])
+
+
+def test_the_cli_refuses_a_field_given_twice_with_different_values(backend, make_queue):
+    """``--where c=1 --where c=2`` kept only ``c=2``: ``drop -y`` deleted the message with
+    ``c=2``, where the two conditions together match nothing (found in review)."""
+    q = DelayedQueue("twice")
+    with backend.Session.begin() as s:
+        q.offer_batch(s, [(f"k{i}", {"c": i, "on": True}) for i in range(3)])
+    for where in (["c=1", "c=2"], ["c=1", "c=1.5"], ["on=true", "on=1"], ["c=1", 'c="1"']):
+        flags = [x for w in where for x in ("--where", w)]
+        dropped = _cli(backend, "drop", "-q", "twice", *flags, "-y")
+        assert dropped.exit_code == 2, dropped.output
+        assert "given twice" in dropped.output and "Traceback" not in dropped.output
+    with backend.Session() as s:
+        assert q.count(s) == 3
+    # The same value twice is the same condition: c=1 and c=1.0 are one JSON number.
+    dropped = _cli(backend, "drop", "-q", "twice", "--where", "c=1", "--where", "c=1.0", "-y")
+    assert dropped.exit_code == 0, dropped.output
+    with backend.Session() as s:
+        assert sorted(m.key for m in q.search(s)) == ["k0", "k2"]
+
+
+CLI_OUT_OF_RANGE = {
+    "at-before-year-1": ("reschedule", "k", "--at", "0001-01-01T00:00:00+01:00"),
+    "at-after-year-9999": ("reschedule", "k", "--at", "9999-12-31T23:59:59-01:00"),
+    "retry-at": ("retry", "k", "--at", "0001-01-01T00:00:00+01:00"),
+    "after-id-2**63": ("ls", "--after-id", str(2**63)),
+    "after-id-negative": ("ls", "--after-id", "-1"),
+    "limit-huge": ("ls", "--limit", str(2**64)),
+    "key-and-all": ("reschedule", "k", "--all"),
+}
+
+
+@pytest.mark.parametrize("args", CLI_OUT_OF_RANGE.values(), ids=CLI_OUT_OF_RANGE.keys())
+def test_the_cli_refuses_out_of_range_values_with_a_message(backend, make_queue, args):
+    """These ended in a traceback (``OverflowError``), a database error, or (``--all`` with
+    a key) were silently ignored (found in review)."""
+    q = DelayedQueue("range")
+    with backend.Session.begin() as s:
+        q.offer(s, "k", {"c": 1})
+        before = q.get(s, "k")
+    result = _cli(backend, args[0], "-q", "range", *args[1:])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and "rror" in result.output
+    with backend.Session() as s:
+        assert q.get(s, "k") == before
