@@ -1940,11 +1940,22 @@ class BaseWorker(Generic[S]):
         """The heartbeat's extension of ``env``'s lease, waiting at most about ``wait`` seconds
         for a row lock (see ``Strategy.waiting_at_most``)."""
         restore = strategy_for(s).waiting_at_most(s, wait)
-        try:
+        if restore is None:
             return reg.source.extend(s, env, reg.lease)
-        finally:
-            if restore is not None:
+        conn = s.connection()
+        try:
+            longer = reg.source.extend(s, env, reg.lease)
+        except BaseException:
+            # The extension's error is the one to report: putting the bound back fails too on
+            # a lost connection (and its error said the worker must stop). A connection that
+            # could not be given its bound back is not pooled again with the short one.
+            try:
                 restore()
+            except Exception:
+                conn.invalidate()
+            raise
+        restore()
+        return longer
 
     def _run_periodic(self, task: Periodic) -> None:
         """A side task: a pass now and then every ``interval``, surviving every error but an

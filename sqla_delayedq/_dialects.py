@@ -57,7 +57,7 @@ from ._statements import P, Shape
 from ._time import DateTimeUTC
 from ._wakeup import Wake, payload_tail
 from ._wakeup import parse as parse_wake
-from .errors import DelayedQueueError, TransientError, UnsupportedBackend
+from .errors import DelayedQueueError, InvalidArgument, TransientError, UnsupportedBackend
 from .models import table_key
 
 __all__ = [
@@ -1189,7 +1189,28 @@ def strategy_class(dialect: Dialect) -> type[Strategy]:
 
 def strategy_for(session: Session) -> Strategy:
     """The strategy for the database behind ``session`` (connects if it has not yet)."""
+    if type(session) is not Session:
+        require_session(session)
     return strategy_for_bind(session.get_bind(), session.connection)
+
+
+def require_session(session: Any) -> None:
+    """Refuse, naming the fix, what is not a Session (a subclass or a ``scoped_session`` is)."""
+    if hasattr(session, "sync_session") or hasattr(session, "sync_engine"):
+        raise InvalidArgument(
+            f"{type(session).__name__} is an asyncio object: wrap the queue in "
+            "AsyncQueue(queue) and await its methods"
+        )
+    if not callable(getattr(session, "get_bind", None)):
+        hint = (
+            " (a Session(bind=connection) joins that connection's transaction)"
+            if isinstance(session, Connection)
+            else ""
+        )
+        raise InvalidArgument(
+            f"expected a SQLAlchemy Session, got {type(session).__name__}{hint}; only offer "
+            "takes an Engine, to commit one message on its own"
+        )
 
 
 def strategy_for_bind(bind: Any, connect: Callable[[], Any] | None = None) -> Strategy:

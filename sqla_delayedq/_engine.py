@@ -30,6 +30,8 @@ import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.engine import Dialect, Engine, make_url
 
+from .errors import InvalidArgument
+
 __all__ = [
     "SYNC_DRIVERS",
     "Family",
@@ -95,25 +97,70 @@ def is_mariadb(dialect: Dialect) -> bool:
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 
-_configured: weakref.WeakSet[Engine] = weakref.WeakSet()
+#: What each configured engine was configured with: ``(busy_timeout_ms, synchronous)``.
+_configured: weakref.WeakKeyDictionary[Engine, tuple[int, str]] = weakref.WeakKeyDictionary()
+
+#: ``PRAGMA synchronous`` levels that keep WAL safe (``OFF`` can corrupt it on power loss).
+SQLITE_SYNCHRONOUS = ("NORMAL", "FULL", "EXTRA")
+
+#: The connection record's ``info``: this connection has the queue's settings.
+_SET_UP = "delayedq_sqlite_set_up"
 
 
-def configure_sqlite(engine: Engine, *, busy_timeout_ms: int = SQLITE_BUSY_TIMEOUT_MS) -> Engine:
-    """Make a pysqlite engine safe for concurrent queue use (idempotent)."""
-    if family(engine.dialect) is not Family.SQLITE or engine in _configured:
+def configure_sqlite(
+    engine: Engine,
+    *,
+    busy_timeout_ms: int = SQLITE_BUSY_TIMEOUT_MS,
+    synchronous: str = "NORMAL",
+) -> Engine:
+    """Make a pysqlite engine safe for concurrent queue use (idempotent).
+
+    Connections the engine made before are set up too, when next checked out. ``synchronous``
+    is the durability of a commit: ``NORMAL`` (the default) loses nothing when the application
+    crashes, but a power loss or an operating system crash may lose the last transactions
+    committed (offers, and acknowledgements: their messages are delivered again); ``FULL``
+    waits for the disk at every commit. Configuring an engine again with other settings is
+    refused: its connections have the first ones.
+    """
+    if family(engine.dialect) is not Family.SQLITE:
         return engine
-    _configured.add(engine)
+    if (
+        not isinstance(busy_timeout_ms, int)
+        or isinstance(busy_timeout_ms, bool)
+        or not 0 <= busy_timeout_ms < 2**31
+    ):
+        raise InvalidArgument(
+            f"busy_timeout_ms must be an int of milliseconds from 0, got {busy_timeout_ms!r}"
+        )
+    level = synchronous.upper() if isinstance(synchronous, str) else synchronous
+    if level not in SQLITE_SYNCHRONOUS:
+        raise InvalidArgument(
+            f"synchronous must be one of {', '.join(SQLITE_SYNCHRONOUS)}, got {synchronous!r}"
+        )
+    settings = (busy_timeout_ms, level)
+    done = _configured.get(engine)
+    if done is not None:
+        if done != settings:
+            raise InvalidArgument(
+                f"this engine is configured already with busy_timeout_ms={done[0]}, "
+                f"synchronous={done[1]!r}; configure it once, before its first use"
+            )
+        return engine
+    _configured[engine] = settings
 
-    @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+    @event.listens_for(engine, "checkout")
+    def _on_checkout(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
+        if record.info.get(_SET_UP):
+            return
         # Let SQLAlchemy, not the driver, decide when transactions begin.
         dbapi_conn.isolation_level = None
         cursor = dbapi_conn.cursor()
-        cursor.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+        cursor.execute(f"PRAGMA busy_timeout = {busy_timeout_ms}")
         if engine.url.database not in (None, "", ":memory:"):
             cursor.execute("PRAGMA journal_mode = WAL")
-            cursor.execute("PRAGMA synchronous = NORMAL")
+            cursor.execute(f"PRAGMA synchronous = {level}")
         cursor.close()
+        record.info[_SET_UP] = True
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: sa.Connection) -> None:
@@ -140,8 +187,11 @@ def engine_options(
             event.listen(engine, "commit", _ended)
             event.listen(engine, "rollback", _ended)
             event.listen(engine, "reset", _rollback_if_open)
-        return configure_sqlite(engine)
+        return configure_sqlite(engine, busy_timeout_ms=busy_timeout_ms)
 
+    # sqlite3's own wait (``connect_args={"timeout": seconds}``) is the busy timeout asked for.
+    timeout = kwargs.get("connect_args", {}).get("timeout")
+    busy_timeout_ms = SQLITE_BUSY_TIMEOUT_MS if timeout is None else int(float(timeout) * 1000)
     return kwargs, configure
 
 
@@ -152,6 +202,11 @@ _IN_TRANS = 1
 #: The pool record's ``info``: the last transaction of the connection ended through its
 #: ``Connection`` (SQLAlchemy's commit or rollback), nothing began since.
 _ENDED = "delayedq_transaction_ended"
+
+
+def _driver(dbapi_connection: Any) -> Any:
+    """The driver's connection (the asyncio adapters keep it as ``_connection``)."""
+    return getattr(dbapi_connection, "_connection", dbapi_connection)
 
 
 def _began(conn: sa.Connection) -> None:
@@ -166,18 +221,22 @@ def _ended(conn: sa.Connection) -> None:
 def _rollback_if_open(dbapi_connection: Any, record: Any, state: Any) -> None:
     """The pool's reset on MariaDB/MySQL: ``ROLLBACK`` unless the connection's own
     ``Connection`` already rolled back (``transaction_was_reset``), or its last transaction
-    ended with the ``Connection``'s commit or rollback and the server's last reply said no
-    transaction is open. The flag alone is not enough: it is stale after a result set or an
-    error, so a transaction that only read (``SELECT ... FOR UPDATE``) and was never ended (a
-    ``Connection`` left to the garbage collector, the raw driver connection) would go back to
-    the pool holding its locks and snapshot. A driver that does not keep the status is always
-    rolled back, as the pool would have."""
+    ended with the ``Connection``'s commit or rollback, no statement ran on the driver's
+    connection since, and the server's last reply said no transaction is open. The flag alone
+    is not enough: it is stale after a result set or an error, so a transaction that only read
+    (``SELECT ... FOR UPDATE``) and was never ended (a ``Connection`` left to the garbage
+    collector, the raw driver connection used after a commit) would go back to the pool holding
+    its locks and snapshot. A driver that does not keep the status is always rolled back, as
+    the pool would have."""
     ended = record is not None and record.info.pop(_ENDED, False)
     if state.transaction_was_reset or not state.asyncio_safe:
         return
-    raw = getattr(dbapi_connection, "_connection", dbapi_connection)  # the asyncio adapters'
+    raw = _driver(dbapi_connection)
     status = getattr(raw, "server_status", None)
-    if ended and isinstance(status, int) and not status & _IN_TRANS:
+    # PyMySQL (and aiomysql) drop the last result at COMMIT and ROLLBACK: one there is from a
+    # statement run since on the driver's connection.
+    untouched = getattr(raw, "_result", None) is None
+    if ended and untouched and isinstance(status, int) and not status & _IN_TRANS:
         return
     dbapi_connection.rollback()
 

@@ -21,6 +21,7 @@ one per message:
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import Iterable, Sequence
 from datetime import datetime
@@ -28,18 +29,20 @@ from itertools import islice
 from types import SimpleNamespace
 from typing import Any, NamedTuple, Protocol
 
-from sqlalchemy import Connection, Table, bindparam, update
+from sqlalchemy import Connection, Engine, Table, bindparam, update
 from sqlalchemy.orm import Session
 
 from . import _statements as st
 from ._codec import Codec, check_name, check_names
-from ._dialects import NewRow, Strategy, strategy_for, strategy_for_bind
+from ._dialects import NewRow, Strategy, is_transient, strategy_for, strategy_for_bind
 from ._rules import new_row, offer_changes
 from ._time import require_aware
 from ._types import OfferMode, OfferResult, Outcome
 from ._wakeup import announce, committed, notify_pending, payload
 from .errors import ConcurrentUpdate, InvalidArgument
 from .models import KEY_MAX, table_key
+
+log = logging.getLogger("sqla_delayedq")
 
 __all__ = ["OfferInput", "Target", "message_key", "offer_batch", "offer_one"]
 
@@ -131,6 +134,38 @@ def _insert_new(q: Target, session: Session, strategy: Strategy, row: dict[str, 
     if notify is not None:
         announce(session, strategy, table_key(q.table), q.name, sent=1, carried=notify)
     return True
+
+
+#: Tries of an offer on an Engine (see :func:`offer_on_engine`).
+ENGINE_ATTEMPTS = 5
+
+
+def offer_on_engine(
+    q: Target,
+    engine: Engine,
+    key: str,
+    payload: dict[str, Any],
+    at: datetime | None,
+    now: datetime,
+    mode: OfferMode,
+    group: str | None = None,
+) -> Outcome:
+    """:func:`offer_alone` on a connection of ``engine``, made again (at once, up to
+    ``ENGINE_ATTEMPTS`` tries) when the database refuses it for now. The offer owns its whole
+    transaction, so nothing of a refused try remains; a deadlock with a consumer on the same
+    key (MariaDB/MySQL: the take holds the row and waits for the key, the upsert the reverse)
+    is this backend's ordinary answer, not the caller's to handle. A try whose commit's reply
+    was lost is found made by the next: a key that is there already (``IGNORED``, or
+    ``UPDATED`` when another offer changed it meanwhile)."""
+    for attempt in range(1, ENGINE_ATTEMPTS + 1):
+        try:
+            with engine.connect() as conn:
+                return offer_alone(q, conn, key, payload, at, now, mode, group)
+        except Exception as exc:
+            if attempt == ENGINE_ATTEMPTS or not is_transient(exc):
+                raise
+            log.info("offer of %r refused for now (try %d), made again: %s", key, attempt, exc)
+    raise AssertionError("unreachable")
 
 
 def offer_alone(

@@ -179,7 +179,8 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         With an ``Engine`` instead of a Session, the offer is committed on its own, for a
         producer with no transaction to join: on PostgreSQL a new message is then one
         autocommit statement (one round trip); an existing key, or another backend, takes a
-        short transaction of its own.
+        short transaction of its own, made again when the database refuses it for now (a
+        deadlock, a lost connection; up to ``ENGINE_ATTEMPTS`` times).
         """
         mode = OfferMode.parse(mode)
         key = _offers.message_key(key)
@@ -190,8 +191,7 @@ class DelayedQueue(LeasedQueue[T], AdminMixin):
         values["priority"] = self._check_priority(priority)
         group = self._check_group(group)
         if isinstance(session, Engine):
-            with session.connect() as conn:
-                outcome = _offers.offer_alone(self, conn, key, values, when, now, mode, group)
+            outcome = _offers.offer_on_engine(self, session, key, values, when, now, mode, group)
             return OfferResult(key, outcome)
         strategy = strategy_for(session)
         outcome = _offers.offer_one(self, session, strategy, key, values, when, now, mode, group)

@@ -163,6 +163,11 @@ class AsyncQueue(Generic[T]):
         group: str | None = None,
         priority: int = 0,
     ) -> list[OfferResult]:
+        if isinstance(session, AsyncEngine):
+            raise InvalidArgument(
+                f"offer_batch takes an AsyncSession, got {type(session).__name__}; only offer "
+                "takes an AsyncEngine, to commit one message on its own"
+            )
         items = list(messages)
         return await session.run_sync(
             lambda s: self.queue.offer_batch(

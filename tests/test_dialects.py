@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from sqla_delayedq import DelayedMessage, UnsupportedBackend
+from sqla_delayedq import DelayedMessage, InvalidArgument, UnsupportedBackend, create_engine
 from sqla_delayedq import _statements as st
 from sqla_delayedq._dialects import (
     MariaDBStrategy,
@@ -215,6 +215,34 @@ def test_mariadb_a_connection_left_unended_after_a_read_is_still_rolled_back(mar
         engine.dispose()
 
 
+def test_mariadb_a_read_on_the_raw_connection_after_a_commit_is_still_rolled_back(mariadb):
+    """After a commit through the ``Connection``, a ``SELECT ... FOR UPDATE`` on the raw driver
+    connection opened a transaction the server's last OK reply did not report: the connection
+    went back to the pool holding the row lock, and consumers skipped the row (found in
+    review)."""
+    engine = mariadb.new_engine(pool_size=1, max_overflow=0)
+    other = sa.create_engine(mariadb.url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text("CREATE TABLE reset_raw (id INT PRIMARY KEY) ENGINE=InnoDB"))
+            conn.execute(sa.text("INSERT INTO reset_raw VALUES (1)"))
+        with engine.connect() as conn:
+            conn.execute(sa.text("SELECT 1")).all()
+            conn.commit()
+            cursor = conn.connection.dbapi_connection.cursor()
+            cursor.execute("SELECT id FROM reset_raw WHERE id = 1 FOR UPDATE")
+            cursor.fetchall()
+            cursor.close()
+        with other.begin() as conn:  # the row is free: the pool rolled the raw read back
+            conn.execute(sa.text("SET SESSION innodb_lock_wait_timeout = 1"))
+            conn.execute(sa.text("SELECT id FROM reset_raw WHERE id = 1 FOR UPDATE")).all()
+    finally:
+        other.dispose()
+        with engine.begin() as conn:
+            conn.execute(sa.text("DROP TABLE IF EXISTS reset_raw"))
+        engine.dispose()
+
+
 def test_mariadb_an_engine_on_a_pool_of_the_callers_is_accepted(mariadb):
     """``create_engine(url, pool=...)``: the pool is the caller's, reset included (passing
     ``pool_reset_on_return`` beside it is a ``TypeError``)."""
@@ -265,3 +293,48 @@ def test_mariadb_asyncio_engines_skip_the_rollback_after_a_commit_too(mariadb, m
             await engine.dispose()
 
     assert asyncio.run(main()) == 0
+
+
+def _sqlite_settings(engine: Any) -> tuple[int, str, int, Any]:
+    with engine.connect() as conn:
+        raw = conn.connection.dbapi_connection
+        return (
+            conn.exec_driver_sql("PRAGMA busy_timeout").scalar_one(),
+            conn.exec_driver_sql("PRAGMA journal_mode").scalar_one(),
+            conn.exec_driver_sql("PRAGMA synchronous").scalar_one(),
+            raw.isolation_level,
+        )
+
+
+def test_sqlite_configured_after_its_first_use_an_engine_sets_up_its_pooled_connections(
+    tmp_path,
+):
+    """``configure_sqlite`` on an engine that had connected left its pooled connection as it
+    was (5 s timeout, rollback journal, the driver's own transactions), and a timeout asked
+    of an engine configured already was ignored (found in review)."""
+    from sqla_delayedq import configure_sqlite
+
+    engine = sa.create_engine(f"sqlite:///{tmp_path}/late.db")
+    try:
+        DelayedMessage.metadata.create_all(engine)  # a pooled connection, not set up
+        configure_sqlite(engine)
+        assert _sqlite_settings(engine) == (30_000, "wal", 1, None)  # 1: NORMAL
+        assert configure_sqlite(engine) is engine  # the same settings again: nothing to do
+        with pytest.raises(InvalidArgument, match="configured already with busy_timeout_ms"):
+            configure_sqlite(engine, busy_timeout_ms=120_000)
+        with pytest.raises(InvalidArgument, match="synchronous must be one of"):
+            configure_sqlite(sa.create_engine(f"sqlite:///{tmp_path}/o.db"), synchronous="OFF")
+    finally:
+        engine.dispose()
+    full = configure_sqlite(
+        sa.create_engine(f"sqlite:///{tmp_path}/full.db"), synchronous="full", busy_timeout_ms=7
+    )
+    try:
+        assert _sqlite_settings(full) == (7, "wal", 2, None)  # 2: FULL
+    finally:
+        full.dispose()
+    own = create_engine(f"sqlite:///{tmp_path}/own.db", connect_args={"timeout": 120})
+    try:  # sqlite3's own wait is the busy timeout asked for
+        assert _sqlite_settings(own)[0] == 120_000
+    finally:
+        own.dispose()

@@ -3404,3 +3404,57 @@ def test_a_fused_statement_that_failed_after_its_take_committed_ends_an_offer_s_
     assert acked == 0 and len(claims.claimed) == 1  # the hold refused it; it took "b"
     assert sorted(handled) == [("a", 1), ("a", 2), ("b", 1)]
     assert pending(pg, q) == 0
+
+
+def test_a_heartbeat_whose_connection_is_lost_while_it_waits_keeps_the_worker_running(mariadb):
+    """MariaDB: the heartbeat bounds its wait for a row lock with a session variable it puts
+    back after the extension. On a connection the server dropped meanwhile, putting it back
+    failed too, and its error (``PendingRollbackError``, not a transient one) replaced the lost
+    connection's: the worker stopped, and the next message was never handled (found in
+    review). The heartbeat now reports the extension's error and looks again."""
+    backend = mariadb
+    q: DelayedQueue[Any] = DelayedQueue("hb-lost", lease=timedelta(seconds=2))
+    with backend.Session.begin() as s:
+        q.offer(s, "long", {})
+        q.offer(s, "next", {}, q.now() + timedelta(seconds=1))
+    admin = sa.create_engine(backend.url, isolation_level="AUTOCOMMIT")
+    database = backend.url.database
+    handled: list[str] = []
+    killed: list[bool] = []
+
+    def kill_the_heartbeat() -> None:
+        deadline = time.monotonic() + 5
+        while not killed and time.monotonic() < deadline:
+            with admin.connect() as c:
+                waiting = c.execute(
+                    sa.text(
+                        "SELECT id FROM information_schema.processlist WHERE db = :d"
+                        " AND info LIKE 'UPDATE delayed_queue SET scheduled_at%'"
+                    ),
+                    {"d": database},
+                ).scalars()
+                for pid in waiting:
+                    c.execute(sa.text(f"KILL {int(pid)}"))
+                    killed.append(True)
+            time.sleep(0.05)
+
+    def handler(envelope: Any) -> None:
+        if envelope.key == "long":
+            with backend.Session.begin() as s:  # holds the row: the heartbeat waits for it
+                s.execute(
+                    sa.text("SELECT id FROM delayed_queue WHERE `key` = 'long' FOR UPDATE")
+                ).all()
+                kill_the_heartbeat()
+        handled.append(envelope.key)
+
+    worker = Worker(backend.Session, concurrency=1, poll_interval=0.2, listen=False)
+    worker.register(q, handler)
+    try:
+        with running(worker):
+            deadline = time.monotonic() + 15
+            while "next" not in handled and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not worker.stopping
+    finally:
+        admin.dispose()
+    assert killed and handled == ["long", "next"]
