@@ -303,9 +303,12 @@ class Strategy(abc.ABC):
         *,
         notify: str | None = None,
         payloads: str | None = None,
+        in_order: bool = False,
     ) -> set[str]:
         """Insert-if-absent many new rows, in the given (key) order; the keys written.
 
+        ``in_order``: the rows are not in key order, and their order is what their ids must
+        follow (a group's batch); the base inserts in the given order either way.
         ``notify``: as for :meth:`insert_one`, once for the rows written. ``payloads``: the
         rows' payloads as one JSON array, in their order, already checked (see
         :attr:`payload_arrays`), or None; a strategy that cannot use it reads each row's.
@@ -676,6 +679,7 @@ class PostgreSQLStrategy(Strategy):
         *,
         notify: str | None = None,
         payloads: str | None = None,
+        in_order: bool = False,
     ) -> set[str]:
         # The chunk travels as one JSON array per column (see st.recordset_insert): each built
         # by one join or one encoder call, the payloads spliced in as already serialized.
@@ -692,12 +696,18 @@ class PostgreSQLStrategy(Strategy):
             "u_g": _json_array([r.group for r in rows]),
             "u_r": _json_array([r.priority for r in rows], 0),
         }
+        by_key = not in_order
+        order = "" if by_key else "+in-order"
         if notify is None:
-            stmt = self.cached(t, "insert_rows", lambda: st.recordset_insert(t))
+            stmt = self.cached(
+                t, f"insert_rows{order}", lambda: st.recordset_insert(t, by_key=by_key)
+            )
         else:
             note = (self.channel(table_key(t)), payload_tail(notify))
             stmt = self.cached(
-                t, f"insert_rows+notify:{notify}", lambda: st.recordset_insert(t, note)
+                t,
+                f"insert_rows{order}+notify:{notify}",
+                lambda: st.recordset_insert(t, note, by_key=by_key),
             )
         return set(session.execute(stmt, params).scalar() or ())
 
@@ -922,6 +932,7 @@ class MySQLStrategy(Strategy):
         *,
         notify: str | None = None,
         payloads: str | None = None,
+        in_order: bool = False,
     ) -> set[str]:
         token = f"new.{secrets.token_hex(12)}"
         params = self.new_rows(queue, type_name, now, rows, token)

@@ -7,7 +7,9 @@ one per message:
 
 - Repeated keys inside the batch are folded in Python first, in input order, exactly as
   successive single offers would have acted. Chunks of distinct keys are sorted, so concurrent
-  batches lock rows in the same order.
+  batches lock rows in the same order; except where messages have a group: new rows are then
+  inserted in input order, their ids being the group's order among messages due at one time
+  (concurrent batches of the same new keys of a group in other orders may then deadlock).
 - One insert-if-absent of every key as if new (on PostgreSQL a single ``INSERT ... SELECT FROM
   ROWS FROM (jsonb_array_elements(...), ...)``, one JSON array per column) reports the keys
   it wrote; only the keys it did not write are then read (locked) and updated, with one
@@ -417,13 +419,17 @@ def offer_batch(
         return []
     by_key = _ByKey(items)
     strategy = strategy_for(session)
-    chunks = list(_batched(sorted(by_key.first), chunk_size(strategy)))
+    keys = list(by_key.first)
+    in_order = group is not None or any(i.group is not None for i in by_key.first.values())
+    if not in_order:
+        keys.sort()  # concurrent batches lock in one order
+    chunks = list(_batched(keys, chunk_size(strategy)))
     arrays = _serialize(q.codec, items, by_key, chunks, strategy.payload_arrays)
     if strategy.max_chunk_chars is not None and None in arrays:
         chunks = _by_size(chunks, by_key, strategy.max_chunk_chars)
         arrays = [None] * len(chunks)
     for keys, array in zip(chunks, arrays, strict=True):
-        _offer_chunk(q, session, strategy, keys, by_key, mode, now, array)
+        _offer_chunk(q, session, strategy, keys, by_key, mode, now, array, in_order)
     outcomes = [item.outcome for item in items]
     wake(q, session, strategy, len(outcomes) - outcomes.count(Outcome.IGNORED))
     # tuple.__new__ is what the named tuple's own __new__ calls, less a Python call per result.
@@ -510,9 +516,11 @@ def _offer_chunk(
     mode: OfferMode,
     now: datetime,
     payloads: str | None = None,
+    in_order: bool = False,
 ) -> None:
     """Offer one chunk of distinct keys; ``payloads``: their payloads as one JSON array, in the
-    chunk's order (see :func:`_serialize`), or None."""
+    chunk's order (see :func:`_serialize`), or None; ``in_order``: the chunk is in input order
+    (a group's), not sorted."""
     t = q.table
     # Optimistic: most batches are new keys. Insert every key as if absent; read back only the
     # keys that were not written (they exist, or a concurrent transaction got there first). A
@@ -531,7 +539,15 @@ def _offer_chunk(
                 rows.append(_folded_row(key, state))
     notify = _notify_on_insert(q, session, strategy)
     written = strategy.insert_rows(
-        session, t, q.name, q.codec.type_name, now, rows, notify=notify, payloads=payloads
+        session,
+        t,
+        q.name,
+        q.codec.type_name,
+        now,
+        rows,
+        notify=notify,
+        payloads=payloads,
+        in_order=in_order,
     )
     if notify is not None and written:
         sent = len(written)

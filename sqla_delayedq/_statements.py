@@ -750,7 +750,9 @@ def next_pending(t: Table, queue: Any) -> ColumnElement[Any]:
 RECORDSET_COLUMNS = ("k", "p", "b", "a", "a0", "h", "g", "r")
 
 
-def recordset_insert(t: Table, notify: tuple[str, str] | None = None) -> Any:
+def recordset_insert(
+    t: Table, notify: tuple[str, str] | None = None, *, by_key: bool = True
+) -> Any:
     """PostgreSQL: insert a whole chunk from one JSON array per column, skipping existing keys.
 
     ``ROWS FROM`` expands the arrays side by side into rows: one statement and a parameter per
@@ -760,7 +762,8 @@ def recordset_insert(t: Table, notify: tuple[str, str] | None = None) -> Any:
     row than ``jsonb_to_recordset`` over one document of objects, itself faster than arrays
     that psycopg adapts element by element). A column no row sets is sent as NULL, which
     ``ROWS FROM`` pads with NULLs; a missing due time means ``u_now``. Rows go in in key
-    order, so concurrent batches take their unique-index locks in the same order. The
+    order, so concurrent batches take their unique-index locks in the same order; with
+    ``by_key`` False in the arrays' order (a group's order: see ``_offers``). The
     statement returns one row: the keys written, as one array (a row per key costs the client
     more than the server).
 
@@ -771,7 +774,9 @@ def recordset_insert(t: Table, notify: tuple[str, str] | None = None) -> Any:
         f"jsonb_array_elements{'' if name == 'p' else '_text'}(CAST(:u_{name} AS jsonb))"
         for name in RECORDSET_COLUMNS
     )
-    source = text(f"ROWS FROM ({values}) AS r({', '.join(RECORDSET_COLUMNS)})").bindparams(
+    aliases = ", ".join((*RECORDSET_COLUMNS, *(() if by_key else ("n",))))
+    ordinality = "" if by_key else " WITH ORDINALITY"
+    source = text(f"ROWS FROM ({values}){ordinality} AS r({aliases})").bindparams(
         *(bindparam(f"u_{name}", type_=Text()) for name in RECORDSET_COLUMNS)
     )
 
@@ -798,7 +803,7 @@ def recordset_insert(t: Table, notify: tuple[str, str] | None = None) -> Any:
             func.coalesce(r("r", Integer()), literal(0)),
         )
         .select_from(source)
-        .order_by(r("k"))
+        .order_by(r("k" if by_key else "n"))
     )
     names = list(INSERT_COLUMNS)
     ins = (
