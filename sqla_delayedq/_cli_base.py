@@ -87,6 +87,10 @@ def translate(exc: BaseException) -> click.ClickException | None:
     return None
 
 
+#: ``Context.meta``: the command line's arguments as given (without the program's name).
+ARGV = "delayedq.argv"
+
+
 class DelayedqGroup(click.Group):
     """A click group whose errors are one line on stderr, never a traceback."""
 
@@ -100,6 +104,19 @@ class DelayedqGroup(click.Group):
             if err is None or os.environ.get(DEBUG_ENV_VAR):
                 raise
             raise err from exc
+
+    def make_context(
+        self,
+        info_name: str | None,
+        args: list[str],
+        parent: click.Context | None = None,
+        **extra: Any,
+    ) -> click.Context:
+        # The arguments as given, for what re-runs the command (``worker --processes``).
+        argv = list(args)
+        ctx = super().make_context(info_name, args, parent, **extra)
+        ctx.meta.setdefault(ARGV, argv)
+        return ctx
 
     def main(
         self,

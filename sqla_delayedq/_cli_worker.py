@@ -36,6 +36,7 @@ from sqlalchemy import Engine, Table
 from sqlalchemy.orm import sessionmaker
 
 from ._cli_base import (
+    ARGV,
     URL_ENV_VAR,
     BadInput,
     RuntimeFailure,
@@ -266,7 +267,11 @@ def note_stop_signals(ctx: click.Context) -> None:
 
 def stop_if_noted(ctx: click.Context, worker: Any) -> None:
     """Just before ``run()``: a stop signal noted while the process started stops the worker
-    at once (it drains nothing, as it took nothing)."""
+    at once (it drains nothing, as it took nothing). A child of ``--processes`` tells its
+    supervisor here that it started: an exit before this is a failure to start."""
+    from .processes import report_started
+
+    report_started()
     if ctx.meta.get(STOP_NOTED):
         log.info("stopping at once: a stop signal came while the worker process started")
         worker.request_stop()
@@ -457,7 +462,7 @@ def worker(
             )
 
         configure_logging(ctx, log_level)
-        ctx.exit(run_processes(target, processes, child_args(target)))
+        ctx.exit(run_processes(target, processes, child_args(ctx, target)))
     if is_worker(obj) or is_factory(obj):
         refuse_worker_flags(ctx, target)
         if heartbeat <= timedelta(0):
@@ -571,10 +576,11 @@ def run_quick_form(
     log.info("stopped cleanly")
 
 
-def child_args(target: str) -> list[str]:
+def child_args(ctx: click.Context, target: str) -> list[str]:
     """The options this command was given, without TARGET and ``--processes``: what each child
-    process of ``--processes N`` runs with (``delayedq worker TARGET ARGS``)."""
-    argv = sys.argv[1:]
+    process of ``--processes N`` runs with (``delayedq worker TARGET ARGS``). Read from the
+    arguments the command line was run with (``main(argv)`` too), not ``sys.argv``."""
+    argv = list(ctx.meta.get(ARGV, sys.argv[1:]))
     rest = argv[argv.index("worker") + 1 :] if "worker" in argv else []
     if target in rest:
         rest.remove(target)

@@ -7,8 +7,9 @@ does no queue work itself:
 
 - a child that exits while the supervisor is running (a crash, an out-of-memory kill, a
   ``SIGKILL``) is logged and replaced; the messages it held come back when their leases run
-  out, as with any worker that dies. A child that keeps failing within seconds of its start
-  (a configuration error every child would hit) stops the supervisor instead of a crash loop;
+  out, as with any worker that dies. A child that keeps failing to start (it exits before its
+  worker runs: a configuration error every child would hit) stops the supervisor instead of a
+  crash loop;
 - ``SIGTERM`` or ``SIGINT`` is passed to every child, which takes nothing new, lets its
   in-flight handlers finish (up to its drain timeout) and exits; the supervisor exits when all
   of them have, with 0 when every child exited 0. A second signal kills the children at once.
@@ -40,10 +41,25 @@ log = logging.getLogger("sqla_delayedq.processes")
 
 #: The environment variable a child worker sees: its slot number (1..N).
 CHILD_ENV = "DELAYEDQ_WORKER_PROCESS"
-#: A child that exits this soon after its start counts as failing to start.
+#: The environment variable a child worker sees: the pipe it writes to once its worker runs.
+STARTED_ENV = "DELAYEDQ_WORKER_STARTED_FD"
+#: A child that exits this soon after its start is started again after a backoff.
 QUICK_EXIT = 5.0
-#: Quick exits in a row (of any one slot) after which the supervisor gives up.
+#: Failures to start in a row (of any one slot) after which the supervisor gives up.
 MAX_QUICK_EXITS = 3
+#: The status of a command-line usage error: every child would hit it, so the first stops all.
+USAGE_ERROR = 2
+
+
+def report_started() -> None:
+    """In a child of the supervisor, once its worker is built and about to run: tell the
+    supervisor, which then counts an exit as the worker's, not a failure to start."""
+    fd = os.environ.pop(STARTED_ENV, None)
+    if fd is None:
+        return
+    with contextlib.suppress(OSError, ValueError):
+        os.write(int(fd), b"1")
+        os.close(int(fd))
 
 
 #: ``prctl`` option (Linux): the signal a process gets when its parent dies.
@@ -86,10 +102,29 @@ class _Slot:
     number: int
     proc: subprocess.Popen[bytes] | None = None
     started: float = 0.0
-    #: Failures within :data:`QUICK_EXIT` of the start, in a row; and any such exits.
+    #: The read end of the pipe the child reports its start on, and whether it did.
+    pipe: int | None = None
+    running: bool = False
+    #: Failures to start, in a row; exits within :data:`QUICK_EXIT` of the start, in a row.
     quick_exits: int = 0
     quick_restarts: int = 0
+    #: When the slot's next child starts (after a backoff), or None.
+    restart_at: float | None = None
     exits: list[int] = field(default_factory=list)
+
+    def read_started(self) -> None:
+        """Whether the child reported its start (see :func:`report_started`), without waiting."""
+        if self.pipe is None or self.running:
+            return
+        try:
+            self.running = os.read(self.pipe, 1) == b"1"
+        except BlockingIOError:
+            return
+
+    def close_pipe(self) -> None:
+        if self.pipe is not None:
+            os.close(self.pipe)
+            self.pipe = None
 
 
 def run_processes(target: str, processes: int, args: Sequence[str] = ()) -> int:
@@ -99,8 +134,12 @@ def run_processes(target: str, processes: int, args: Sequence[str] = ()) -> int:
     ``target`` is what ``delayedq worker`` takes (``module:worker``, ``module:factory``, or a
     handler function with ``-q``); ``args`` are further ``delayedq worker`` options.
     """
-    if processes < 1:
-        raise InvalidArgument(f"processes must be >= 1, got {processes}")
+    if not isinstance(processes, int) or isinstance(processes, bool) or processes < 1:
+        raise InvalidArgument(f"processes must be an int >= 1, got {processes!r}")
+    if not isinstance(target, str) or not target:
+        raise InvalidArgument(f"target must be a module:name string, got {target!r}")
+    if isinstance(args, (str, bytes)) or not all(isinstance(a, str) for a in args):
+        raise InvalidArgument(f"args must be a sequence of strings (['-q', 'jobs']), got {args!r}")
     command = [sys.executable, "-m", "sqla_delayedq.cli", "worker", target, *args]
     return _Supervisor(command, processes).run()
 
@@ -139,14 +178,19 @@ class _Supervisor:
         the error ended the supervisor, which then killed every child mid-handler."""
         if self.stopping:  # a signal came while the children started, or during a backoff
             return True
-        env = {**os.environ, CHILD_ENV: str(slot.number)}
         start = _child_start(os.getpid()) if sys.platform != "win32" else None
         tries = 0
         while True:
+            read, write = os.pipe()
+            os.set_blocking(read, False)
+            env = {**os.environ, CHILD_ENV: str(slot.number), STARTED_ENV: str(write)}
             try:
-                proc = slot.proc = subprocess.Popen(self.command, env=env, preexec_fn=start)
+                proc = slot.proc = subprocess.Popen(
+                    self.command, env=env, preexec_fn=start, pass_fds=(write,)
+                )
                 break
             except (OSError, subprocess.SubprocessError) as exc:
+                os.close(read)
                 log.error("worker process %d could not be started: %s", slot.number, exc)
                 tries += 1
                 if tries == MAX_QUICK_EXITS:
@@ -154,6 +198,10 @@ class _Supervisor:
                 time.sleep(min(2.0**tries, 10.0))
                 if self.stopping:
                     return True
+            finally:
+                os.close(write)
+        slot.close_pipe()
+        slot.pipe, slot.running = read, False
         slot.started = time.monotonic()
         log.info("worker process %d started: pid %d", slot.number, proc.pid)
         if self.stopping:  # the signal came while it started: it was not among those told
@@ -184,16 +232,28 @@ class _Supervisor:
         return 1
 
     def _watch(self, failed: int | None = None) -> int:
+        """Poll the children every 0.1 s until all exited after a stop: each exit is seen
+        within that, whatever backoff another slot waits out (none blocks the loop)."""
         while True:
             running = 0
             for slot in self.slots:
+                if slot.restart_at is not None and not self.stopping and failed is None:
+                    if time.monotonic() < slot.restart_at:
+                        running += 1
+                        continue
+                    slot.restart_at = None
+                    if not self._start(slot):
+                        failed = self._give_up()
+                        continue
                 proc = slot.proc
                 if proc is None:
                     continue
+                slot.read_started()
                 code = proc.poll()
                 if code is None:
                     running += 1
                     continue
+                slot.read_started()  # what it wrote before it exited
                 slot.proc = None
                 slot.exits.append(code)
                 if self.stopping:
@@ -205,45 +265,60 @@ class _Supervisor:
                 if failed is not None:
                     self.stopping = True
                     self._send(signal.SIGTERM)
-                elif slot.proc is not None:
-                    running += 1
+                else:
+                    running += 1  # started again, or waiting to be
             if running == 0 and (self.stopping or failed is not None):
                 break
+            if self.stopping:
+                for slot in self.slots:
+                    slot.restart_at = None
             time.sleep(0.1)
+        for slot in self.slots:
+            slot.close_pipe()
         if failed is not None:
             return failed
         last = [slot.exits[-1] for slot in self.slots if slot.exits]
         return 0 if all(code == 0 for code in last) and not self.killing else 1
 
     def _replace(self, slot: _Slot, pid: int, code: int) -> int | None:
-        """Start a replacement for a child that exited on its own; the status to give up
-        with when it keeps failing at start."""
+        """Start a replacement for a child that exited on its own (at once, or after a backoff
+        when it exited soon after its start); the status to give up with when it keeps failing
+        to start. A child that failed to start is one that exited before its worker ran
+        (:func:`report_started`), however long its imports took: with a usage error (status
+        2) every child would fail alike, so the first stops them all; with another status,
+        :data:`MAX_QUICK_EXITS` in a row do."""
         how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with {code}"
-        # Killed by a signal counts too: a crash at import (a segfault) is no less a failure.
-        # One that exits 0 at once (its worker stopped itself) is no failure, but it is started
-        # again after the backoff too, not ten times a second for ever.
-        if time.monotonic() - slot.started < QUICK_EXIT:
-            slot.quick_restarts += 1
-            slot.quick_exits += code != 0
-            if slot.quick_exits >= MAX_QUICK_EXITS:
+        if not slot.running and code != 0:
+            # Killed by a signal counts too: a crash at import (a segfault) is no less a failure.
+            slot.quick_exits += 1
+            if code == USAGE_ERROR or slot.quick_exits >= MAX_QUICK_EXITS:
+                times = "" if slot.quick_exits == 1 else f" {slot.quick_exits} times in a row"
                 log.error(
-                    "worker process %d (pid %d) %s %d times in a row within %.0f s of its "
-                    "start: stopping (see its log above)",
+                    "worker process %d (pid %d) %s%s before its worker ran: stopping (see its "
+                    "log above)",
                     slot.number,
                     pid,
                     how,
-                    slot.quick_exits,
-                    QUICK_EXIT,
+                    times,
                 )
                 return code if code > 0 else 1
-            time.sleep(min(2.0**slot.quick_restarts, 10.0))
         else:
-            slot.quick_exits = slot.quick_restarts = 0
+            slot.quick_exits = 0
+        # One that exits soon after its start (its worker stopped itself, or it failed) is
+        # started again after a backoff, not ten times a second for ever.
+        if time.monotonic() - slot.started < QUICK_EXIT or not slot.running:
+            slot.quick_restarts += 1
+            delay = min(2.0**slot.quick_restarts, 10.0)
+        else:
+            slot.quick_restarts = 0
+            delay = 0.0
         log.warning(
-            "worker process %d (pid %d) %s; starting a new one (messages it held come back "
+            "worker process %d (pid %d) %s; starting a new one%s (messages it held come back "
             "when their leases run out)",
             slot.number,
             pid,
             how,
+            f" in {delay:.0f} s" if delay else "",
         )
-        return None if self._start(slot) else self._give_up()
+        slot.restart_at = time.monotonic() + delay
+        return None
