@@ -1707,16 +1707,21 @@ class BaseWorker(Generic[S]):
         return reg.source.ack_many(s, envs)
 
     def _failed(self, reg: Registration, envs: list[Envelope[Any]], error: BaseException) -> None:
-        for env in self._in_flight.current(reg, envs):
+        """Record the failure of every envelope of ``envs``, then tell the hooks: a hook
+        interrupted (Ctrl-C, the drain's cancel) must not leave the rest of a batch uncounted."""
+        current = self._in_flight.current(reg, envs)
+        outcomes: list[NackOutcome | None] = []
+        for i, env in enumerate(current):
             try:
-                outcome = self._settle(reg, env, "nack", error)
+                outcomes.append(self._settle(reg, env, "nack", error))
             except BaseException as exc:
                 # Interrupted while it recorded the failure (the asyncio stop's cancel as the
-                # statement awaited its reply): recorded again, or the stop released the
-                # message uncounted (a poison message stopped that way ran for ever).
-                self._settle_again(reg, [env], exc, error)
+                # statement awaited its reply): recorded again, with the rest, or the stop
+                # released them uncounted (a poison message stopped that way ran for ever).
+                self._settle_again(reg, current[i:], exc, error)
                 raise
-            log_failure(reg.source.name, env.key, env.attempt, error, outcome)
+            log_failure(reg.source.name, env.key, env.attempt, error, outcomes[-1])
+        for env, outcome in zip(current, outcomes, strict=True):
             self.hooks.failed(reg.queue, env, error, outcome or NackOutcome.STALE)
 
     def _settle(
