@@ -177,7 +177,7 @@ def decode_headers(text: str | None) -> dict[str, str]:
         return {}
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deep to parse
         return {}
     if not isinstance(value, dict):
         return {}
@@ -303,7 +303,7 @@ class LenientJSON(TypeDecorator[Any]):
         def process(value: Any) -> Any:
             try:
                 return inner(value)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
                 return CorruptJSON(value, exc)
 
         return process
