@@ -798,42 +798,67 @@ def traced_handler(handler: Handler, *, tracer: Tracer | None = None) -> Handler
 
     The span continues the trace stored with the message by an instrumented offer
     (:func:`instrument_queue`), in this process or any other. Works for both modes (the envelope
-    is the first argument) and for both kinds of handler: an ``async def`` handler gets an
-    ``async def`` wrapper whose span covers the awaited work.
+    is the first argument), for batch handlers (the list of envelopes: one span, linked to the
+    trace of each message, as the messaging conventions ask for a batch) and for both kinds of
+    handler: an ``async def`` handler gets an ``async def`` wrapper whose span covers the
+    awaited work.
     """
     from opentelemetry import propagate, trace
 
     t = tracer or trace.get_tracer(INSTRUMENTATION, _version())
 
-    def span(envelope: Envelope[Any]) -> Any:
+    def sent(envelope: Envelope[Any]) -> Any:
+        """The offer's context stored with ``envelope`` and its span context, or Nones."""
+        if not envelope.headers:
+            return None, None
+        parent = propagate.extract(envelope.headers)
+        context = trace.get_current_span(parent).get_span_context()
+        return parent, context if context.is_valid else None
+
+    def span(arg: Envelope[Any] | list[Envelope[Any]]) -> Any:
+        if isinstance(arg, list):
+            return batch_span(arg)
+        envelope = arg
         attrs = _span_attributes(envelope.queue, envelope.key)
         attrs["messaging.operation.type"] = "process"
         attrs["delayedq.attempt"] = envelope.attempt
         attrs["delayedq.delivery"] = envelope.delivery.value
         # The offer's trace context, when it stored one: this attempt continues its trace (a
         # child of the send span, which it also links to, as the messaging conventions ask).
-        parent = propagate.extract(envelope.headers) if envelope.headers else None
-        sent = trace.get_current_span(parent).get_span_context() if parent else None
-        links = [trace.Link(sent)] if sent is not None and sent.is_valid else None
+        parent, context = sent(envelope)
         return t.start_as_current_span(
             f"process {envelope.queue}",
             context=parent,
             kind=trace.SpanKind.CONSUMER,
             attributes=attrs,
-            links=links,
+            links=None if context is None else [trace.Link(context)],
+        )
+
+    def batch_span(envelopes: list[Envelope[Any]]) -> Any:
+        # Messages of many traces: the span starts its own, linked to each message's send span.
+        queue = envelopes[0].queue if envelopes else ""
+        attrs = _span_attributes(queue)
+        attrs["messaging.operation.type"] = "process"
+        attrs["messaging.batch.message_count"] = len(envelopes)
+        contexts = [sent(envelope)[1] for envelope in envelopes]
+        return t.start_as_current_span(
+            f"process {queue}",
+            kind=trace.SpanKind.CONSUMER,
+            attributes=attrs,
+            links=[trace.Link(context) for context in contexts if context is not None],
         )
 
     if is_async_callable(handler):
 
         @functools.wraps(handler)
-        async def traced_async(envelope: Envelope[Any], *args: Any, **kwargs: Any) -> Any:
+        async def traced_async(envelope: Any, *args: Any, **kwargs: Any) -> Any:
             with span(envelope):
                 return await handler(envelope, *args, **kwargs)
 
         return traced_async
 
     @functools.wraps(handler)
-    def traced(envelope: Envelope[Any], *args: Any, **kwargs: Any) -> Any:
+    def traced(envelope: Any, *args: Any, **kwargs: Any) -> Any:
         with span(envelope):
             return handler(envelope, *args, **kwargs)
 

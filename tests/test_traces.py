@@ -206,6 +206,39 @@ def test_one_trace_from_the_request_to_every_attempt(
     assert second.status.status_code is not StatusCode.ERROR
 
 
+def test_a_traced_batch_handler_gets_one_span_linked_to_each_messages_trace(
+    backend: Backend,
+    make_worker: Callable[..., Any],
+    spans: tuple[TracerProvider, InMemorySpanExporter],
+) -> None:
+    """``traced_handler`` around a batch handler was accepted, then failed every message
+    (``'list' object has no attribute 'queue'``) until it was dead. A batch is one span whose
+    links point at the send span of each of its messages."""
+    provider, exporter = spans
+    tracer = provider.get_tracer("test")
+    q: DelayedQueue[Any] = instrument_queue(DelayedQueue("mail", retry=NO_WAIT), tracer=tracer)
+    for n in (1, 2):
+        with tracer.start_as_current_span(f"POST /{n}"), backend.Session() as s, s.begin():
+            q.offer(s, f"m{n}", {"n": n})
+    handled: list[str] = []
+    worker = make_worker(backend, poll_interval=0.05)
+    worker.register_batch(
+        q, traced_handler(lambda envs: handled.extend(e.key for e in envs), tracer=tracer)
+    )
+    with running(worker):
+        wait_for(lambda: sorted(handled) == ["m1", "m2"])
+    assert sorted(handled) == ["m1", "m2"]
+    sends = {s.context.span_id for s in exporter.get_finished_spans() if s.name == "send mail"}
+    batches = [s for s in exporter.get_finished_spans() if s.name == "process mail"]
+    assert len(sends) == 2 and batches
+    assert {link.context.span_id for b in batches for link in b.links} == sends
+    for batch in batches:
+        assert batch.kind is SpanKind.CONSUMER
+        assert batch.status.status_code is not StatusCode.ERROR
+        assert batch.attributes is not None
+        assert batch.attributes["messaging.batch.message_count"] == len(batch.links)
+
+
 def test_a_message_offered_without_a_trace_starts_its_own(
     backend: Backend, spans: tuple[TracerProvider, InMemorySpanExporter]
 ) -> None:
