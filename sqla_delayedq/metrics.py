@@ -708,15 +708,20 @@ def serve_prometheus(
     at_most: int | None = DEFAULT_AT_MOST,
 ) -> PrometheusHooks:
     """Register the depth/lag collector (counts bounded by ``at_most``, see
-    :class:`StatsCache`), serve ``/metrics`` on ``port``, return worker hooks."""
+    :class:`StatsCache`), serve ``/metrics`` on ``port`` (0: a free port, logged), return
+    worker hooks. A port that cannot be bound raises :class:`OSError`, registering nothing."""
     from prometheus_client import REGISTRY, start_http_server
 
     reg = REGISTRY if registry is None else registry
-    QueueStatsCollector(sessions, table=table, queues=queues, at_most=at_most).register(reg)
-    hooks = PrometheusHooks(reg)
-    start_http_server(port, addr, registry=reg)
-    log.info("serving Prometheus metrics on %s:%d", addr, port)
-    return hooks
+    collector = QueueStatsCollector(sessions, table=table, queues=queues, at_most=at_most)
+    collector.register(reg)
+    try:
+        server, _ = start_http_server(port, addr, registry=reg)
+    except BaseException:
+        reg.unregister(collector)
+        raise
+    log.info("serving Prometheus metrics on %s:%d", addr, server.server_port)
+    return PrometheusHooks(reg)
 
 
 def observe_queues(

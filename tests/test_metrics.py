@@ -443,6 +443,26 @@ def test_serve_prometheus_exposes_depth_and_worker_metrics(backend: Backend) -> 
     assert 'delayedq_processed_total{queue="emails"} 1.0' in text
 
 
+def test_serve_prometheus_on_port_0_logs_the_port_it_serves(
+    backend: Backend, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Port 0 binds a free port; the log named port 0, so nobody could find the metrics. A
+    port that cannot be bound registers nothing: serving again on the same registry works."""
+    registry = CollectorRegistry()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(OSError):
+            serve_prometheus(
+                taken.getsockname()[1], backend.Session, addr="127.0.0.1", registry=registry
+            )
+    caplog.set_level("INFO", logger="sqla_delayedq")
+    serve_prometheus(0, backend.Session, addr="127.0.0.1", registry=registry)
+    (served,) = [r.getMessage() for r in caplog.records if "Prometheus" in r.getMessage()]
+    port = int(served.rsplit(":", 1)[1])
+    assert port != 0 and "delayedq_messages" in scrape(port)
+
+
 # -- OpenTelemetry -----------------------------------------------------------------------------
 
 
