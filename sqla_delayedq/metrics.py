@@ -51,7 +51,7 @@ from sqlalchemy import Table
 from sqlalchemy.orm import Session
 
 from ._cli_stats import STATES, QueueStats, queue_stats
-from ._codec import check_strings
+from ._codec import check_strings, encode_headers
 from ._consumer import HOOKS
 from ._handlers import check_callback, is_async_callable, is_interruption
 from ._types import Buried, Envelope, NackOutcome, OfferMode, OfferResult, QueueName
@@ -870,6 +870,13 @@ def traced_handler(handler: Handler, *, tracer: Tracer | None = None) -> Handler
     return traced
 
 
+def _carrier(headers: Mapping[str, str] | None) -> dict[str, str]:
+    """A copy of an offer's ``headers`` for the trace context to go in, checked as the queue
+    checks them (the copy would accept a list of pairs, say, that the queue refuses)."""
+    encode_headers(headers)
+    return dict(headers or {})
+
+
 def instrument_queue(queue: Q, *, tracer: Tracer | None = None) -> Q:
     """Wrap ``queue.offer`` and ``queue.offer_batch`` in ``send <queue>`` producer spans, and
     store the span's trace context with each message (in its headers, by the global propagator:
@@ -900,7 +907,7 @@ def instrument_queue(queue: Q, *, tracer: Tracer | None = None) -> Q:
         attrs = _span_attributes(queue.name, key)
         attrs["messaging.operation.type"] = "send"
         with t.start_as_current_span(name, kind=trace.SpanKind.PRODUCER, attributes=attrs) as span:
-            carrier = dict(headers or {})
+            carrier = _carrier(headers)
             propagate.inject(carrier)
             result = offer(session, key, payload, at, mode=mode, headers=carrier, **kwargs)
             span.set_attribute("messaging.message.id", result.key)
@@ -920,7 +927,7 @@ def instrument_queue(queue: Q, *, tracer: Tracer | None = None) -> Q:
         attrs["messaging.operation.type"] = "send"
         attrs["messaging.batch.message_count"] = len(items)
         with t.start_as_current_span(name, kind=trace.SpanKind.PRODUCER, attributes=attrs) as span:
-            carrier = dict(headers or {})
+            carrier = _carrier(headers)
             propagate.inject(carrier)
             results: list[OfferResult] = offer_batch(session, items, headers=carrier, **kwargs)
             for outcome in ("created", "updated", "ignored"):

@@ -119,6 +119,32 @@ def test_bad_headers_are_refused_and_nothing_is_written(
         assert q.contains(s, "kept") and not q.contains(s, "k") and not q.contains(s, "k2")
 
 
+@pytest.mark.parametrize(
+    ("headers", "message"),
+    [
+        ([("request-id", "r1")], "must be a mapping"),
+        ("ab", "must be a mapping"),
+        (5, "must be a mapping"),
+        ({"n": 1}, "must map str to str"),
+    ],
+    ids=["pairs", "str", "int", "not-str"],
+)
+def test_an_instrumented_queue_refuses_the_headers_a_plain_one_refuses(
+    backend: Backend, spans: tuple[TracerProvider, InMemorySpanExporter], headers: Any, message: str
+) -> None:
+    """The instrumented offer copied ``headers`` with ``dict()`` before the queue saw them: a
+    list of pairs was stored, a string raised a bare ValueError, an int a TypeError."""
+    provider, _ = spans
+    q = instrument_queue(DelayedQueue[Any]("mail"), tracer=provider.get_tracer("test"))
+    with backend.Session() as s, s.begin():
+        with pytest.raises(InvalidArgument, match=message):
+            q.offer(s, "k", {"n": 1}, headers=headers)
+        with pytest.raises(InvalidArgument, match=message):
+            q.offer_batch(s, [("k2", {"n": 1})], headers=headers)
+    with backend.Session() as s:
+        assert not q.contains(s, "k") and not q.contains(s, "k2")
+
+
 def test_corrupt_stored_headers_read_as_none_and_deliver(backend: Backend) -> None:
     q: DelayedQueue[Any] = DelayedQueue("mail")
     with backend.Session() as s, s.begin():
