@@ -142,11 +142,13 @@ class _HandlerClock:
 
     The worker reports ``lag`` just before it calls a handler and ``processed`` or ``failed``
     after, on the same consumer; the clock turns that into a duration for failures too (the
-    ``failed`` hook carries none).
+    ``failed`` hook carries none). A failed batch reports ``failed`` once per message, with
+    the one error its handler raised: each gets the batch's duration.
     """
 
     def __init__(self) -> None:
-        self._started: dict[object, float] = {}
+        #: A consumer's handler start, or after a failure the error's id and its duration.
+        self._started: dict[object, float | tuple[int, float]] = {}
 
     @staticmethod
     def _consumer() -> object:
@@ -162,9 +164,21 @@ class _HandlerClock:
     def start(self) -> None:
         self._started[self._consumer()] = time.monotonic()
 
-    def stop(self) -> float | None:
-        started = self._started.pop(self._consumer(), None)
-        return None if started is None else time.monotonic() - started
+    def stop(self, error: BaseException | None = None) -> float | None:
+        """The duration of the handler that returned, or raised ``error``."""
+        consumer = self._consumer()
+        started = self._started.pop(consumer, None)
+        if isinstance(started, tuple):  # the rest of a failed batch: the same error
+            if error is None or started[0] != id(error):
+                return None
+            self._started[consumer] = started
+            return started[1]
+        if started is None:
+            return None
+        seconds = time.monotonic() - started
+        if error is not None:
+            self._started[consumer] = (id(error), seconds)
+        return seconds
 
 
 def _guarded(method: Callable[..., object]) -> Callable[..., None]:
@@ -347,7 +361,7 @@ class PrometheusHooks(WorkerHooks):
     def failed(
         self, queue: str, envelope: Envelope[Any], error: BaseException, outcome: NackOutcome
     ) -> None:
-        seconds = self._clock.stop()
+        seconds = self._clock.stop(error)
         self._failed(queue).inc()
         if outcome is NackOutcome.DEAD:
             self._dead(queue).inc()
@@ -407,7 +421,7 @@ class OtelHooks(WorkerHooks):
     def failed(
         self, queue: str, envelope: Envelope[Any], error: BaseException, outcome: NackOutcome
     ) -> None:
-        seconds = self._clock.stop()
+        seconds = self._clock.stop(error)
         self.failed_counter.add(1, _attributes(queue))
         if outcome is NackOutcome.DEAD:
             self.dead_counter.add(1, _attributes(queue))
