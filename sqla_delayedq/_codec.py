@@ -286,6 +286,16 @@ def verbatim(value: Any) -> Any:
     return value
 
 
+def lenient_loads(text: str | bytes) -> Any:
+    """``json.loads`` for a driver that decodes JSON columns itself (psycopg): a value nested
+    too deep to parse reads as :class:`CorruptJSON`, a decode error of its own message, rather
+    than a RecursionError that fails the whole read (a take: every worker stopped)."""
+    try:
+        return json.loads(text)
+    except RecursionError as exc:
+        return CorruptJSON(text, exc)
+
+
 class LenientJSON(TypeDecorator[Any]):
     """The payload column as reads select it: unparseable JSON becomes :class:`CorruptJSON`.
 

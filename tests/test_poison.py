@@ -199,3 +199,26 @@ def test_deeply_nested_json_on_sqlite_is_buried_not_raised(make_queue, tmp_path,
             assert "stored JSON is corrupt" in (dead.last_error or "")
     finally:
         engine.dispose()
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_deeply_nested_jsonb_on_postgresql_is_buried_not_raised(backend, make_queue):
+    """psycopg decodes JSONB itself: a payload nested too deep to parse raised RecursionError
+    from the take's fetch, and every worker stopped. The engine's JSON loader makes it a
+    decode error of its own message."""
+    q = make_queue("deep")
+    with backend.Session.begin() as s:
+        q.offer(s, "a", {"v": 1})
+        q.offer(s, "b", {"v": 2})
+    with backend.engine.begin() as conn:
+        conn.execute(
+            T.update()
+            .where(T.c.key == "a")
+            .values(payload=sa.literal(DEEP).op("::")(sa.text("jsonb")))
+        )
+    with backend.Session.begin() as s:
+        assert [e.key for e in q.try_poll_many(s, 2)] == ["b"]
+    with backend.Session() as s:
+        dead = q.get(s, "a")
+        assert dead is not None and dead.state is State.DEAD
+        assert "stored JSON is corrupt" in (dead.last_error or "")
