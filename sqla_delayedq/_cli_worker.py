@@ -113,6 +113,11 @@ def metrics_hooks(
                 f"--metrics-port needs prometheus-client ({exc}): "
                 "pip install 'sqla_delayedq[prometheus]'"
             ) from exc
+        except OSError as exc:  # in use, or not ours to bind
+            raise RuntimeFailure(
+                f"--metrics-port {port}: cannot serve metrics there "
+                f"({exc.strerror or exc}); choose a free port"
+            ) from exc
     if otel:
         try:
             hooks.append(metrics.OtelHooks())

@@ -177,7 +177,7 @@ def decode_headers(text: str | None) -> dict[str, str]:
         return {}
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deep to parse
         return {}
     if not isinstance(value, dict):
         return {}
@@ -286,6 +286,16 @@ def verbatim(value: Any) -> Any:
     return value
 
 
+def lenient_loads(text: str | bytes) -> Any:
+    """``json.loads`` for a driver that decodes JSON columns itself (psycopg): a value nested
+    too deep to parse reads as :class:`CorruptJSON`, a decode error of its own message, rather
+    than a RecursionError that fails the whole read (a take: every worker stopped)."""
+    try:
+        return json.loads(text)
+    except RecursionError as exc:
+        return CorruptJSON(text, exc)
+
+
 class LenientJSON(TypeDecorator[Any]):
     """The payload column as reads select it: unparseable JSON becomes :class:`CorruptJSON`.
 
@@ -303,7 +313,7 @@ class LenientJSON(TypeDecorator[Any]):
         def process(value: Any) -> Any:
             try:
                 return inner(value)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
                 return CorruptJSON(value, exc)
 
         return process

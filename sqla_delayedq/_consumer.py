@@ -217,7 +217,16 @@ def wants(hooks: WorkerHooks, name: str) -> bool:
     object behind it keeps :class:`WorkerHooks`' own, which does nothing (so the per-message
     work of a hook's arguments, a clock read for ``lag``, is skipped)."""
     every = hooks.all if isinstance(hooks, SafeHooks) else [hooks]
-    return any(getattr(getattr(h, name), "__func__", None) is not _NOOP[name] for h in every)
+    return any(_hook(h, name) is not None for h in every)
+
+
+def _hook(hooks: WorkerHooks, name: str) -> Callable[..., Any] | None:
+    """Hook ``name`` of ``hooks``, or None when it has none that can do anything (it keeps
+    :class:`WorkerHooks`' own, or it is missing from a subclass that deletes it)."""
+    hook: Callable[..., Any] | None = getattr(hooks, name, None)
+    if hook is None or getattr(hook, "__func__", None) is _NOOP[name]:
+        return None
+    return hook
 
 
 class SafeHooks(WorkerHooks):
@@ -243,11 +252,10 @@ class SafeHooks(WorkerHooks):
 
     def _call(self, name: str, *args: Any) -> None:
         for hooks in self.all:
-            hook = getattr(hooks, name)
-            if getattr(hook, "__func__", None) is _NOOP[name]:
-                continue  # WorkerHooks' own: nothing to run
             try:
-                self.call(hook, *args)
+                hook = _hook(hooks, name)
+                if hook is not None:  # else nothing to run
+                    self.call(hook, *args)
             except BaseException as exc:
                 if is_interruption(exc):
                     raise
@@ -691,7 +699,7 @@ class BaseWorker(Generic[S]):
         #: On PostgreSQL, analyse a table whose planner statistics lag a burst (``_planner``).
         self.keep_statistics = keep_statistics
         self.drain_timeout = drain_timeout
-        hooks = hooks or WorkerHooks()
+        hooks = WorkerHooks() if hooks is None else hooks
         self._check_hooks(hooks, f"{type(self).__name__}: hooks")
         self.hooks: WorkerHooks = SafeHooks(hooks, call=self._call)
         self.name = name or self.default_name
@@ -730,6 +738,11 @@ class BaseWorker(Generic[S]):
         raise NotImplementedError
 
     def _check_hooks(self, hooks: WorkerHooks, where: str) -> None:
+        if not isinstance(hooks, WorkerHooks):
+            raise InvalidArgument(
+                f"{where}: expected a WorkerHooks, got {type(hooks).__name__}; subclass "
+                "sqla_delayedq.WorkerHooks and override the hooks you need"
+            )
         for name in HOOKS:
             fn = getattr(hooks, name, None)
             if fn is not None:  # a stand-in without it fails at the call, logged as ever
@@ -856,8 +869,6 @@ class BaseWorker(Generic[S]):
 
     def add_hooks(self, hooks: WorkerHooks) -> Self:
         """Report to ``hooks`` too, beside the worker's own (metrics, a registry)."""
-        if not isinstance(hooks, WorkerHooks):
-            raise InvalidArgument(f"hooks must be a WorkerHooks, got {type(hooks).__name__}")
         self._check_hooks(hooks, f"{type(self).__name__}.add_hooks: {type(hooks).__name__}")
         assert isinstance(self.hooks, SafeHooks)
         self.hooks.all.append(hooks)
@@ -1089,15 +1100,21 @@ class BaseWorker(Generic[S]):
         return None if when is None else max(0.0, (when - reg.source.now()).total_seconds())
 
     def _observe(self, reg: Registration, *envs: Envelope[Any]) -> None:
+        """Report what a take saw (``redelivered``, ``lag``). It never fails the message: in
+        transactional mode it runs inside the handler's call, where an error would count as
+        the handler's."""
         name, hooks = reg.queue, self.hooks
-        if wants(hooks, "redelivered"):
-            for env in envs:
-                if env.redelivered:
-                    hooks.redelivered(name, env)
-        if wants(hooks, "lag"):
-            now = reg.source.now()
-            for env in envs:
-                hooks.lag(name, (now - env.scheduled_at).total_seconds())
+        try:
+            if wants(hooks, "redelivered"):
+                for env in envs:
+                    if env.redelivered:
+                        hooks.redelivered(name, env)
+            if wants(hooks, "lag"):
+                now = reg.source.now()
+                for env in envs:
+                    hooks.lag(name, (now - env.scheduled_at).total_seconds())
+        except Exception:
+            log.exception("reporting a take of %s to the worker hooks failed; ignored", name)
 
     def _take(self, reg: Registration, n: int) -> tuple[list[Envelope[Any]], Taken]:
         """Up to ``n`` envelopes, and whether more is due now; when not, in the same
@@ -1690,16 +1707,21 @@ class BaseWorker(Generic[S]):
         return reg.source.ack_many(s, envs)
 
     def _failed(self, reg: Registration, envs: list[Envelope[Any]], error: BaseException) -> None:
-        for env in self._in_flight.current(reg, envs):
+        """Record the failure of every envelope of ``envs``, then tell the hooks: a hook
+        interrupted (Ctrl-C, the drain's cancel) must not leave the rest of a batch uncounted."""
+        current = self._in_flight.current(reg, envs)
+        outcomes: list[NackOutcome | None] = []
+        for i, env in enumerate(current):
             try:
-                outcome = self._settle(reg, env, "nack", error)
+                outcomes.append(self._settle(reg, env, "nack", error))
             except BaseException as exc:
                 # Interrupted while it recorded the failure (the asyncio stop's cancel as the
-                # statement awaited its reply): recorded again, or the stop released the
-                # message uncounted (a poison message stopped that way ran for ever).
-                self._settle_again(reg, [env], exc, error)
+                # statement awaited its reply): recorded again, with the rest, or the stop
+                # released them uncounted (a poison message stopped that way ran for ever).
+                self._settle_again(reg, current[i:], exc, error)
                 raise
-            log_failure(reg.source.name, env.key, env.attempt, error, outcome)
+            log_failure(reg.source.name, env.key, env.attempt, error, outcomes[-1])
+        for env, outcome in zip(current, outcomes, strict=True):
             self.hooks.failed(reg.queue, env, error, outcome or NackOutcome.STALE)
 
     def _settle(

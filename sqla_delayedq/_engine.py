@@ -5,6 +5,9 @@
 - SQLite: WAL journal, a busy timeout, and ``BEGIN IMMEDIATE`` for every transaction, so a
   consumer takes the write lock before it reads and two takers never race on one snapshot
   (SQLAlchemy's documented recipe for pysqlite's transaction handling).
+- PostgreSQL: a JSON loader (``json_deserializer``) that reads a value nested too deep to
+  parse as a corrupt payload of its own message (psycopg and asyncpg decode JSON columns
+  themselves: the RecursionError failed the whole take).
 - MariaDB/MySQL: ``READ COMMITTED``, which avoids the gap locks that ``REPEATABLE READ``
   takes on range scans, so producers are not blocked by consumers polling the same range. And
   a connection that goes back to the pool is rolled back unless its last transaction ended
@@ -30,6 +33,7 @@ import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.engine import Dialect, Engine, make_url
 
+from ._codec import lenient_loads
 from .errors import InvalidArgument
 
 __all__ = [
@@ -175,6 +179,8 @@ def engine_options(
     """``kwargs`` plus the per-backend engine options the queue relies on, and what to do to
     the (synchronous) engine built with them."""
     reset_if_open = False
+    if url_family(url) is Family.POSTGRESQL:  # psycopg and asyncpg decode JSON themselves
+        kwargs.setdefault("json_deserializer", lenient_loads)
     if url_family(url) is Family.MYSQL:
         kwargs.setdefault("isolation_level", "READ COMMITTED")
         if "pool_reset_on_return" not in kwargs and "pool" not in kwargs:  # the caller's stand

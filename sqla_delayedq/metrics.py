@@ -51,7 +51,7 @@ from sqlalchemy import Table
 from sqlalchemy.orm import Session
 
 from ._cli_stats import STATES, QueueStats, queue_stats
-from ._codec import check_strings
+from ._codec import check_strings, encode_headers
 from ._consumer import HOOKS
 from ._handlers import check_callback, is_async_callable, is_interruption
 from ._types import Buried, Envelope, NackOutcome, OfferMode, OfferResult, QueueName
@@ -142,11 +142,13 @@ class _HandlerClock:
 
     The worker reports ``lag`` just before it calls a handler and ``processed`` or ``failed``
     after, on the same consumer; the clock turns that into a duration for failures too (the
-    ``failed`` hook carries none).
+    ``failed`` hook carries none). A failed batch reports ``failed`` once per message, with
+    the one error its handler raised: each gets the batch's duration.
     """
 
     def __init__(self) -> None:
-        self._started: dict[object, float] = {}
+        #: A consumer's handler start, or after a failure the error's id and its duration.
+        self._started: dict[object, float | tuple[int, float]] = {}
 
     @staticmethod
     def _consumer() -> object:
@@ -162,9 +164,21 @@ class _HandlerClock:
     def start(self) -> None:
         self._started[self._consumer()] = time.monotonic()
 
-    def stop(self) -> float | None:
-        started = self._started.pop(self._consumer(), None)
-        return None if started is None else time.monotonic() - started
+    def stop(self, error: BaseException | None = None) -> float | None:
+        """The duration of the handler that returned, or raised ``error``."""
+        consumer = self._consumer()
+        started = self._started.pop(consumer, None)
+        if isinstance(started, tuple):  # the rest of a failed batch: the same error
+            if error is None or started[0] != id(error):
+                return None
+            self._started[consumer] = started
+            return started[1]
+        if started is None:
+            return None
+        seconds = time.monotonic() - started
+        if error is not None:
+            self._started[consumer] = (id(error), seconds)
+        return seconds
 
 
 def _guarded(method: Callable[..., object]) -> Callable[..., None]:
@@ -347,7 +361,7 @@ class PrometheusHooks(WorkerHooks):
     def failed(
         self, queue: str, envelope: Envelope[Any], error: BaseException, outcome: NackOutcome
     ) -> None:
-        seconds = self._clock.stop()
+        seconds = self._clock.stop(error)
         self._failed(queue).inc()
         if outcome is NackOutcome.DEAD:
             self._dead(queue).inc()
@@ -407,7 +421,7 @@ class OtelHooks(WorkerHooks):
     def failed(
         self, queue: str, envelope: Envelope[Any], error: BaseException, outcome: NackOutcome
     ) -> None:
-        seconds = self._clock.stop()
+        seconds = self._clock.stop(error)
         self.failed_counter.add(1, _attributes(queue))
         if outcome is NackOutcome.DEAD:
             self.dead_counter.add(1, _attributes(queue))
@@ -708,15 +722,20 @@ def serve_prometheus(
     at_most: int | None = DEFAULT_AT_MOST,
 ) -> PrometheusHooks:
     """Register the depth/lag collector (counts bounded by ``at_most``, see
-    :class:`StatsCache`), serve ``/metrics`` on ``port``, return worker hooks."""
+    :class:`StatsCache`), serve ``/metrics`` on ``port`` (0: a free port, logged), return
+    worker hooks. A port that cannot be bound raises :class:`OSError`, registering nothing."""
     from prometheus_client import REGISTRY, start_http_server
 
     reg = REGISTRY if registry is None else registry
-    QueueStatsCollector(sessions, table=table, queues=queues, at_most=at_most).register(reg)
-    hooks = PrometheusHooks(reg)
-    start_http_server(port, addr, registry=reg)
-    log.info("serving Prometheus metrics on %s:%d", addr, port)
-    return hooks
+    collector = QueueStatsCollector(sessions, table=table, queues=queues, at_most=at_most)
+    collector.register(reg)
+    try:
+        server, _ = start_http_server(port, addr, registry=reg)
+    except BaseException:
+        reg.unregister(collector)
+        raise
+    log.info("serving Prometheus metrics on %s:%d", addr, server.server_port)
+    return PrometheusHooks(reg)
 
 
 def observe_queues(
@@ -798,46 +817,78 @@ def traced_handler(handler: Handler, *, tracer: Tracer | None = None) -> Handler
 
     The span continues the trace stored with the message by an instrumented offer
     (:func:`instrument_queue`), in this process or any other. Works for both modes (the envelope
-    is the first argument) and for both kinds of handler: an ``async def`` handler gets an
-    ``async def`` wrapper whose span covers the awaited work.
+    is the first argument), for batch handlers (the list of envelopes: one span, linked to the
+    trace of each message, as the messaging conventions ask for a batch) and for both kinds of
+    handler: an ``async def`` handler gets an ``async def`` wrapper whose span covers the
+    awaited work.
     """
     from opentelemetry import propagate, trace
 
     t = tracer or trace.get_tracer(INSTRUMENTATION, _version())
 
-    def span(envelope: Envelope[Any]) -> Any:
+    def sent(envelope: Envelope[Any]) -> Any:
+        """The offer's context stored with ``envelope`` and its span context, or Nones."""
+        if not envelope.headers:
+            return None, None
+        parent = propagate.extract(envelope.headers)
+        context = trace.get_current_span(parent).get_span_context()
+        return parent, context if context.is_valid else None
+
+    def span(arg: Envelope[Any] | list[Envelope[Any]]) -> Any:
+        if isinstance(arg, list):
+            return batch_span(arg)
+        envelope = arg
         attrs = _span_attributes(envelope.queue, envelope.key)
         attrs["messaging.operation.type"] = "process"
         attrs["delayedq.attempt"] = envelope.attempt
         attrs["delayedq.delivery"] = envelope.delivery.value
         # The offer's trace context, when it stored one: this attempt continues its trace (a
         # child of the send span, which it also links to, as the messaging conventions ask).
-        parent = propagate.extract(envelope.headers) if envelope.headers else None
-        sent = trace.get_current_span(parent).get_span_context() if parent else None
-        links = [trace.Link(sent)] if sent is not None and sent.is_valid else None
+        parent, context = sent(envelope)
         return t.start_as_current_span(
             f"process {envelope.queue}",
             context=parent,
             kind=trace.SpanKind.CONSUMER,
             attributes=attrs,
-            links=links,
+            links=None if context is None else [trace.Link(context)],
+        )
+
+    def batch_span(envelopes: list[Envelope[Any]]) -> Any:
+        # Messages of many traces: the span starts its own, linked to each message's send span.
+        queue = envelopes[0].queue if envelopes else ""
+        attrs = _span_attributes(queue)
+        attrs["messaging.operation.type"] = "process"
+        attrs["messaging.batch.message_count"] = len(envelopes)
+        contexts = [sent(envelope)[1] for envelope in envelopes]
+        return t.start_as_current_span(
+            f"process {queue}",
+            kind=trace.SpanKind.CONSUMER,
+            attributes=attrs,
+            links=[trace.Link(context) for context in contexts if context is not None],
         )
 
     if is_async_callable(handler):
 
         @functools.wraps(handler)
-        async def traced_async(envelope: Envelope[Any], *args: Any, **kwargs: Any) -> Any:
+        async def traced_async(envelope: Any, *args: Any, **kwargs: Any) -> Any:
             with span(envelope):
                 return await handler(envelope, *args, **kwargs)
 
         return traced_async
 
     @functools.wraps(handler)
-    def traced(envelope: Envelope[Any], *args: Any, **kwargs: Any) -> Any:
+    def traced(envelope: Any, *args: Any, **kwargs: Any) -> Any:
         with span(envelope):
             return handler(envelope, *args, **kwargs)
 
     return traced
+
+
+def _carrier(headers: Mapping[str, str] | None) -> dict[str, str]:
+    """A copy of an offer's ``headers`` for the trace context to go in, checked as the queue
+    checks them (the copy would accept a list of pairs, say, that the queue refuses)."""
+    encode_headers(headers)
+    return dict(headers or {})
 
 
 def instrument_queue(queue: Q, *, tracer: Tracer | None = None) -> Q:
@@ -870,7 +921,7 @@ def instrument_queue(queue: Q, *, tracer: Tracer | None = None) -> Q:
         attrs = _span_attributes(queue.name, key)
         attrs["messaging.operation.type"] = "send"
         with t.start_as_current_span(name, kind=trace.SpanKind.PRODUCER, attributes=attrs) as span:
-            carrier = dict(headers or {})
+            carrier = _carrier(headers)
             propagate.inject(carrier)
             result = offer(session, key, payload, at, mode=mode, headers=carrier, **kwargs)
             span.set_attribute("messaging.message.id", result.key)
@@ -890,7 +941,7 @@ def instrument_queue(queue: Q, *, tracer: Tracer | None = None) -> Q:
         attrs["messaging.operation.type"] = "send"
         attrs["messaging.batch.message_count"] = len(items)
         with t.start_as_current_span(name, kind=trace.SpanKind.PRODUCER, attributes=attrs) as span:
-            carrier = dict(headers or {})
+            carrier = _carrier(headers)
             propagate.inject(carrier)
             results: list[OfferResult] = offer_batch(session, items, headers=carrier, **kwargs)
             for outcome in ("created", "updated", "ignored"):

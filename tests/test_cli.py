@@ -1329,6 +1329,20 @@ def test_several_processes_cannot_share_one_metrics_port(tmp_path: Path) -> None
     assert_one_line_error(result, 2, "--metrics-port serves one process's metrics")
 
 
+def test_a_metrics_port_in_use_is_a_one_line_error(tmp_path: Path) -> None:
+    """``--metrics-port`` on a port another process listens on ended in a 53-line traceback."""
+    import socket
+
+    url = f"sqlite:///{tmp_path / 'w.sqlite'}"
+    assert invoke(url, "db", "upgrade").exit_code == 0
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        result = invoke(url, "worker", "tests.cli_handlers:slow", "-q", "q", "--metrics-port", port)
+    assert_one_line_error(result, 1, f"--metrics-port {port}: cannot serve", "choose a free port")
+
+
 # -- tables that are missing or are not message tables -----------------------------------------
 
 

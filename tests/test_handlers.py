@@ -659,6 +659,66 @@ def test_a_failing_entity_handler_is_logged(backend, caplog):
         Base.metadata.drop_all(backend.engine)
 
 
+class DuckHooks:
+    """Hooks that look like WorkerHooks without being one (only ``processed``)."""
+
+    def processed(self, queue: str, envelope: Envelope[Any], seconds: float) -> None:
+        pass
+
+
+@pytest.mark.parametrize("hooks", [DuckHooks(), 5, object()], ids=["duck-typed", "int", "object"])
+def test_a_worker_refuses_hooks_that_are_not_worker_hooks(hooks):
+    """``Worker(hooks=...)`` took any object (``add_hooks`` refused it): at the first take the
+    worker stopped on a missing method, in transactional mode after failing the message."""
+    sessions: Any = sessionmaker(create_engine("sqlite://"))
+    for worker_class in (Worker, AsyncWorker):
+        name = worker_class.__name__
+        with pytest.raises(InvalidArgument, match=rf"{name}: hooks: expected a WorkerHooks"):
+            worker_class(sessions, hooks=hooks)
+        with pytest.raises(InvalidArgument, match=r"add_hooks: .*expected a WorkerHooks"):
+            worker_class(sessions).add_hooks(hooks)
+
+
+@pytest.mark.parametrize("mode", ["lease", "transactional"])
+def test_a_hook_that_cannot_be_read_never_fails_the_message(backend, mode, caplog):
+    """Reading a hook that raises (a property) failed the take's report outside the hooks'
+    guard: in transactional mode it counted as the handler's failure, before the handler ran.
+    A hook never changes what happens to a message; a missing one is one nobody wants."""
+
+    class Hooks(WorkerHooks):
+        broken = False  # from the first take on
+
+        @property
+        def lag(self) -> Any:
+            if self.broken:
+                raise RuntimeError("lag cannot be read")
+            return super().lag
+
+        @property
+        def redelivered(self) -> Any:
+            if self.broken:
+                raise AttributeError("redelivered")  # as if missing
+            return super().redelivered
+
+    q: DelayedQueue[Any] = DelayedQueue("unreadable-hook", retry=NO_RETRY_DELAY)
+    with backend.Session.begin() as s:
+        q.offer(s, "m", {})
+    calls: list[str] = []
+    worker = Worker(backend.Session, hooks=Hooks())
+    if mode == "lease":
+        worker.register(q, lambda e: calls.append(e.key))
+    else:
+        worker.register(q, lambda e, s: calls.append(e.key), mode="transactional")
+    Hooks.broken = True
+    caplog.set_level(logging.ERROR, logger="sqla_delayedq")
+    assert worker.process_due() == 1
+    assert calls == ["m"] and worker.failure is None
+    with backend.Session() as s:
+        counts = q.counts(s)
+    assert (counts.due, counts.scheduled, counts.in_flight, counts.dead) == (0, 0, 0, 0)
+    assert any("lag cannot be read" in r.exc_text for r in caplog.records if r.exc_text)
+
+
 # -- errors a worker must not retry stop it loudly ----------------------------------------------
 
 

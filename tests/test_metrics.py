@@ -131,6 +131,35 @@ def test_prometheus_hooks_count_worker_events() -> None:
     assert sample(registry, "delayedq_pickup_lag_seconds_sum", queue="q") == 3.0
 
 
+def test_each_failed_message_of_a_batch_records_its_duration(
+    backend: Backend, meter_provider: MeterProvider, reader: InMemoryMetricReader
+) -> None:
+    """A failed batch of 5 counted 5 failures and one failed duration: the first ``failed``
+    took the handler's start, the other four found none. Each message records the batch's."""
+    registry = CollectorRegistry()
+    q: DelayedQueue[Any] = DelayedQueue("bad", retry=ExponentialBackoff(max_attempts=1))
+    with backend.Session.begin() as s:
+        q.offer_batch(s, [(f"k{i}", {}) for i in range(5)])
+    handled: list[str] = []
+
+    def fail(envs: list[Envelope[Any]]) -> None:
+        handled.extend(e.key for e in envs)
+        raise ValueError("batch failed")
+
+    worker = Worker(backend.Session, listen=False, hooks=PrometheusHooks(registry))
+    worker.add_hooks(OtelHooks(meter_provider.get_meter("test")))
+    worker.register_batch(q, fail, batch_size=5)
+    worker.process_due()
+    assert sorted(handled) == [f"k{i}" for i in range(5)]
+    assert sample(registry, "delayedq_failed_total", queue="bad") == 5
+    failed = {"queue": "bad", "outcome": "failed"}
+    assert sample(registry, "delayedq_handler_duration_seconds_count", **failed) == 5
+    found = points(reader)
+    assert sum(p.value for p in found["delayedq.messages.failed"]) == 5
+    (duration,) = found["delayedq.handler.duration"]
+    assert duration.attributes["outcome"] == "failed" and duration.count == 5
+
+
 def test_prometheus_hooks_label_the_table_of_a_queue_in_a_schema_only() -> None:
     """Two tenants' queues of one name are two series, each with ``table``; a table without a
     schema keeps its series as they were, without the label."""
@@ -441,6 +470,26 @@ def test_serve_prometheus_exposes_depth_and_worker_metrics(backend: Backend) -> 
     assert 'delayedq_messages{queue="emails",state="due"} 2.0' in text
     assert 'delayedq_messages_capped{queue="emails",state="due"} 0.0' in text
     assert 'delayedq_processed_total{queue="emails"} 1.0' in text
+
+
+def test_serve_prometheus_on_port_0_logs_the_port_it_serves(
+    backend: Backend, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Port 0 binds a free port; the log named port 0, so nobody could find the metrics. A
+    port that cannot be bound registers nothing: serving again on the same registry works."""
+    registry = CollectorRegistry()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(OSError):
+            serve_prometheus(
+                taken.getsockname()[1], backend.Session, addr="127.0.0.1", registry=registry
+            )
+    caplog.set_level("INFO", logger="sqla_delayedq")
+    serve_prometheus(0, backend.Session, addr="127.0.0.1", registry=registry)
+    (served,) = [r.getMessage() for r in caplog.records if "Prometheus" in r.getMessage()]
+    port = int(served.rsplit(":", 1)[1])
+    assert port != 0 and "delayedq_messages" in scrape(port)
 
 
 # -- OpenTelemetry -----------------------------------------------------------------------------

@@ -148,3 +148,77 @@ def test_decode_error_is_the_library_error(backend, make_queue):
         row = s.execute(sa.select(*columns).where(T.c.key == "a")).one()
     with pytest.raises(DecodeError, match="no version field"):
         q.codec.decode(row)
+
+
+DEEP = "[" * 5000 + "]" * 5000  # valid JSON nested deeper than Python's parser recurses
+
+
+def test_deeply_nested_headers_read_as_no_headers(backend, make_queue):
+    """Stored headers nested too deep to parse raised RecursionError from every take: every
+    worker stopped, and ``delayedq ls/show`` crashed. Headers never make a message
+    undeliverable: they read as none, as other text that is not a JSON object does."""
+    q = make_queue("deep-headers")
+    with backend.Session.begin() as s:
+        q.offer(s, "a", {"v": 1}, headers={"h": "1"})
+    with backend.engine.begin() as conn:
+        conn.execute(T.update().where(T.c.key == "a").values(headers=DEEP))
+    with backend.Session() as s:
+        info = q.get(s, "a")
+        assert info is not None and info.headers == {}
+    with backend.Session.begin() as s:
+        (env,) = q.consume(s, 5)
+        assert env.key == "a" and env.headers == {}
+
+
+@pytest.mark.parametrize("stored", [DEEP, "[" * 5000], ids=["valid", "unterminated"])
+def test_deeply_nested_json_on_sqlite_is_buried_not_raised(make_queue, tmp_path, stored):
+    """A payload nested too deep to parse is a decode error of its own message (buried), not
+    a RecursionError that stops the take of the messages behind it."""
+    from sqlalchemy.orm import sessionmaker
+
+    from sqla_delayedq import create_engine
+    from sqla_delayedq.models import metadata
+
+    engine = create_engine(f"sqlite:///{tmp_path / 'deep.sqlite'}")
+    metadata.create_all(engine)
+    sessions = sessionmaker(engine)
+    q = make_queue("deep")
+    try:
+        with sessions.begin() as s:
+            q.offer(s, "a", {"v": 1})
+            q.offer(s, "b", {"v": 2})
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text("UPDATE delayed_queue SET payload = :p WHERE key = 'a'"), {"p": stored}
+            )
+        with sessions.begin() as s:
+            assert [e.key for e in q.try_poll_many(s, 2)] == ["b"]
+        with sessions() as s:
+            dead = q.get(s, "a")
+            assert dead is not None and dead.state is State.DEAD
+            assert "stored JSON is corrupt" in (dead.last_error or "")
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_deeply_nested_jsonb_on_postgresql_is_buried_not_raised(backend, make_queue):
+    """psycopg decodes JSONB itself: a payload nested too deep to parse raised RecursionError
+    from the take's fetch, and every worker stopped. The engine's JSON loader makes it a
+    decode error of its own message."""
+    q = make_queue("deep")
+    with backend.Session.begin() as s:
+        q.offer(s, "a", {"v": 1})
+        q.offer(s, "b", {"v": 2})
+    with backend.engine.begin() as conn:
+        conn.execute(
+            T.update()
+            .where(T.c.key == "a")
+            .values(payload=sa.literal(DEEP).op("::")(sa.text("jsonb")))
+        )
+    with backend.Session.begin() as s:
+        assert [e.key for e in q.try_poll_many(s, 2)] == ["b"]
+    with backend.Session() as s:
+        dead = q.get(s, "a")
+        assert dead is not None and dead.state is State.DEAD
+        assert "stored JSON is corrupt" in (dead.last_error or "")

@@ -119,6 +119,32 @@ def test_bad_headers_are_refused_and_nothing_is_written(
         assert q.contains(s, "kept") and not q.contains(s, "k") and not q.contains(s, "k2")
 
 
+@pytest.mark.parametrize(
+    ("headers", "message"),
+    [
+        ([("request-id", "r1")], "must be a mapping"),
+        ("ab", "must be a mapping"),
+        (5, "must be a mapping"),
+        ({"n": 1}, "must map str to str"),
+    ],
+    ids=["pairs", "str", "int", "not-str"],
+)
+def test_an_instrumented_queue_refuses_the_headers_a_plain_one_refuses(
+    backend: Backend, spans: tuple[TracerProvider, InMemorySpanExporter], headers: Any, message: str
+) -> None:
+    """The instrumented offer copied ``headers`` with ``dict()`` before the queue saw them: a
+    list of pairs was stored, a string raised a bare ValueError, an int a TypeError."""
+    provider, _ = spans
+    q = instrument_queue(DelayedQueue[Any]("mail"), tracer=provider.get_tracer("test"))
+    with backend.Session() as s, s.begin():
+        with pytest.raises(InvalidArgument, match=message):
+            q.offer(s, "k", {"n": 1}, headers=headers)
+        with pytest.raises(InvalidArgument, match=message):
+            q.offer_batch(s, [("k2", {"n": 1})], headers=headers)
+    with backend.Session() as s:
+        assert not q.contains(s, "k") and not q.contains(s, "k2")
+
+
 def test_corrupt_stored_headers_read_as_none_and_deliver(backend: Backend) -> None:
     q: DelayedQueue[Any] = DelayedQueue("mail")
     with backend.Session() as s, s.begin():
@@ -204,6 +230,39 @@ def test_one_trace_from_the_request_to_every_attempt(
         assert span.attributes is not None and span.attributes["delayedq.attempt"] == attempt
     assert first.status.status_code is StatusCode.ERROR
     assert second.status.status_code is not StatusCode.ERROR
+
+
+def test_a_traced_batch_handler_gets_one_span_linked_to_each_messages_trace(
+    backend: Backend,
+    make_worker: Callable[..., Any],
+    spans: tuple[TracerProvider, InMemorySpanExporter],
+) -> None:
+    """``traced_handler`` around a batch handler was accepted, then failed every message
+    (``'list' object has no attribute 'queue'``) until it was dead. A batch is one span whose
+    links point at the send span of each of its messages."""
+    provider, exporter = spans
+    tracer = provider.get_tracer("test")
+    q: DelayedQueue[Any] = instrument_queue(DelayedQueue("mail", retry=NO_WAIT), tracer=tracer)
+    for n in (1, 2):
+        with tracer.start_as_current_span(f"POST /{n}"), backend.Session() as s, s.begin():
+            q.offer(s, f"m{n}", {"n": n})
+    handled: list[str] = []
+    worker = make_worker(backend, poll_interval=0.05)
+    worker.register_batch(
+        q, traced_handler(lambda envs: handled.extend(e.key for e in envs), tracer=tracer)
+    )
+    with running(worker):
+        wait_for(lambda: sorted(handled) == ["m1", "m2"])
+    assert sorted(handled) == ["m1", "m2"]
+    sends = {s.context.span_id for s in exporter.get_finished_spans() if s.name == "send mail"}
+    batches = [s for s in exporter.get_finished_spans() if s.name == "process mail"]
+    assert len(sends) == 2 and batches
+    assert {link.context.span_id for b in batches for link in b.links} == sends
+    for batch in batches:
+        assert batch.kind is SpanKind.CONSUMER
+        assert batch.status.status_code is not StatusCode.ERROR
+        assert batch.attributes is not None
+        assert batch.attributes["messaging.batch.message_count"] == len(batch.links)
 
 
 def test_a_message_offered_without_a_trace_starts_its_own(

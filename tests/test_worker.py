@@ -572,6 +572,74 @@ def test_an_interruption_in_a_hook_before_the_handlers_gives_back_what_the_take_
     assert worker.process_due() == 3 and sorted(handled) == ["k0", "k1", "k2"]
 
 
+def test_an_interrupted_failed_hook_leaves_no_failure_of_its_batch_unrecorded(backend, make_worker):
+    """A batch handler fails; Ctrl-C lands in the ``failed`` hook of its first message. The
+    failure of every message of the batch is recorded (the hooks run once all are): the rest
+    stayed at attempt 0 with no error, and came back a lease later uncounted, so a poison batch
+    escaped its attempts."""
+    reported: list[str] = []
+
+    class InterruptFailed(WorkerHooks):
+        def failed(self, queue: str, envelope: Any, error: BaseException, outcome: Any) -> None:
+            reported.append(envelope.key)
+            raise KeyboardInterrupt
+
+    retry = ExponentialBackoff(max_attempts=5, initial=timedelta(hours=1), jitter=0)
+    q: DelayedQueue[Any] = DelayedQueue("interrupted-failed-hook", retry=retry)
+    with backend.Session.begin() as s:
+        q.offer_batch(s, [(f"k{i}", {}) for i in range(3)])
+    handled: list[str] = []
+
+    def handler(envs: list[Envelope[Any]]) -> None:
+        handled.extend(e.key for e in envs)
+        raise ValueError("batch failed")
+
+    worker = make_worker(backend, listen=False, keep_statistics=False, hooks=InterruptFailed())
+    worker.register_batch(q, handler, batch_size=3)
+    with pytest.raises(KeyboardInterrupt):
+        worker.process_due()
+    assert sorted(handled) == ["k0", "k1", "k2"] and len(reported) == 1
+    with backend.Session() as s:
+        infos = [q.get(s, f"k{i}") for i in range(3)]
+    assert [i.attempts for i in infos if i is not None] == [1, 1, 1]
+    assert all(i is not None and i.last_error and "batch failed" in i.last_error for i in infos)
+
+
+def test_a_failed_hook_the_drain_cancels_leaves_no_failure_of_its_batch_unrecorded(backend):
+    """On the asyncio worker a slow ``failed`` hook is cancelled by the stop's drain timeout
+    as it reports the first message of a failed batch: every failure is recorded all the same
+    (the rest stayed at attempt 0, released uncounted)."""
+    reporting = threading.Event()
+
+    class Slow(WorkerHooks):
+        async def failed(self, queue: str, envelope: Any, error: Any, outcome: Any) -> None:
+            reporting.set()
+            await asyncio.sleep(60)
+
+    retry = ExponentialBackoff(max_attempts=5, initial=timedelta(hours=1), jitter=0)
+    q: DelayedQueue[Any] = DelayedQueue("cancelled-failed-hook", retry=retry)
+    with backend.Session.begin() as s:
+        q.offer_batch(s, [(f"k{i}", {}) for i in range(3)])
+    handled: list[str] = []
+
+    def handler(envs: list[Envelope[Any]]) -> None:
+        handled.extend(e.key for e in envs)
+        raise ValueError("batch failed")
+
+    worker = AsyncRunner(backend, listen=False, keep_statistics=False, hooks=Slow())
+    worker.register_batch(q, handler, batch_size=3)
+    worker.start()
+    try:
+        assert reporting.wait(30)
+    finally:
+        worker.stop(drain_timeout=0.2)
+    assert sorted(handled) == ["k0", "k1", "k2"]
+    with backend.Session() as s:
+        infos = [q.get(s, f"k{i}") for i in range(3)]
+    assert [i.attempts for i in infos if i is not None] == [1, 1, 1]
+    assert all(i is not None and i.last_error and "batch failed" in i.last_error for i in infos)
+
+
 def test_an_interrupted_process_due_gives_back_only_what_its_own_call_holds(backend):
     """Two threads run ``process_due`` on one worker; Ctrl-C in the first's hook gives back
     what the first took, and the message the second's handler is running stays leased to it
