@@ -455,7 +455,15 @@ def worker(
     delayedq worker myapp.jobs:worker -p 2     two processes of it, supervised
     """
     note_stop_signals(ctx)
-    obj = import_object(target, "TARGET")  # fails here, once, not in every child
+    # What every child would refuse fails here, once, not in every child.
+    obj = import_object(target, "TARGET")
+    own_worker = is_worker(obj) or is_factory(obj)
+    if own_worker:
+        refuse_worker_flags(ctx, target)
+        if heartbeat <= timedelta(0):
+            raise BadInput("--heartbeat must be greater than 0")
+    else:
+        refuse_quick_form(target, obj, queues)
     if processes > 1:
         from .processes import run_processes
 
@@ -468,10 +476,7 @@ def worker(
 
         configure_logging(ctx, log_level)
         ctx.exit(run_processes(target, processes, child_args(ctx, target)))
-    if is_worker(obj) or is_factory(obj):
-        refuse_worker_flags(ctx, target)
-        if heartbeat <= timedelta(0):
-            raise BadInput("--heartbeat must be greater than 0")
+    if own_worker:
         user_worker = as_worker(obj, target, "TARGET")
         configure_logging(ctx, log_level)
         ignore_environment(ctx, target)
@@ -479,6 +484,12 @@ def worker(
             ctx, target, user_worker, metrics_port, heartbeat.total_seconds(), no_monitor
         )
         return
+    params = {k: v for k, v in ctx.params.items() if k not in ("target", "processes")}
+    run_quick_form(ctx, target=target, fn=obj, **params)
+
+
+def refuse_quick_form(target: str, obj: Any, queues: tuple[str, ...]) -> None:
+    """The quick form's checks of TARGET (a handler function) and -q."""
     if is_async_callable(obj):
         raise BadInput(
             f"{target} is an async function: the quick form runs plain functions on threads; "
@@ -495,8 +506,6 @@ def worker(
             "Missing option '--queue' / '-q': the quick form module:function consumes the "
             "queues named with -q (or pass module:worker, a Worker built in your code)"
         )
-    params = {k: v for k, v in ctx.params.items() if k not in ("target", "processes")}
-    run_quick_form(ctx, target=target, fn=obj, **params)
 
 
 def run_quick_form(

@@ -484,3 +484,28 @@ def test_a_child_that_exits_0_at_once_is_started_again_after_a_backoff(tmp_path)
         _, err = proc.communicate(timeout=30)
     assert 2 <= len(list(tmp_path.iterdir())) <= 4, err  # 50 or so before
     assert proc.returncode == 0, err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["tests.cli_handlers:failing"], "Missing option '--queue'"),
+        (["tests.cli_app:worker", "-c", "4"], "--concurrency does not apply"),
+    ],
+    ids=["quick-form-without-queue", "flag-of-a-worker-of-yours"],
+)
+def test_what_every_child_would_refuse_is_refused_once_before_any_starts(tmp_path, args, message):
+    """With ``-p N`` these checks ran in each child, N times per restart, and the supervisor
+    restarted them (found in review)."""
+    env = {**os.environ, "DELAYEDQ_TEST_APP_URL": f"sqlite:///{tmp_path / 'app.sqlite'}"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "sqla_delayedq.cli", "worker", *args, "-p", "2"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count(message) == 1, proc.stderr
+    assert "worker process" not in proc.stderr, proc.stderr
