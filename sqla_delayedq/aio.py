@@ -23,7 +23,6 @@ import contextlib
 import functools
 import inspect
 import logging
-import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any, Generic, TypeVar
@@ -372,6 +371,10 @@ async def _again_if_cancelled(step: Callable[[], Awaitable[Any]], tries: int = 3
                 raise
 
 
+#: The key, in a Session's ``info``, of the AsyncSession around it (``AsyncRuntime.session``).
+_ASYNC_SESSION = "sqla_delayedq.async_session"
+
+
 def _resolve(wakeup: asyncio.Future[None]) -> bool:
     """Wake one waiter; False when it no longer waits (timed out or cancelled)."""
     if wakeup.done():
@@ -396,9 +399,6 @@ class AsyncRuntime:
         self._stopped: asyncio.Future[None] = loop.create_future()
         self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
         self._generation = 0
-        self._async_of: weakref.WeakKeyDictionary[Session, AsyncSession] = (
-            weakref.WeakKeyDictionary()
-        )
 
     @property
     def stopping(self) -> bool:
@@ -419,12 +419,14 @@ class AsyncRuntime:
     def session(self) -> Session:
         async_session: AsyncSession = self.sessions(expire_on_commit=False)
         sync = async_session.sync_session
-        self._async_of[sync] = async_session
+        # In the Session's own ``info``: both go together. (A WeakKeyDictionary's value held
+        # its key through ``sync_session``, so every message's pair was kept forever.)
+        sync.info[_ASYNC_SESSION] = async_session
         return sync
 
     def call(self, handler: Callable[..., Any], *args: Any) -> Any:
         # A transactional handler gets the AsyncSession around the core's Session.
-        args = tuple(self._async_of.get(a, a) if isinstance(a, Session) else a for a in args)
+        args = tuple(a.info.get(_ASYNC_SESSION, a) if isinstance(a, Session) else a for a in args)
         result = handler(*args)
         if inspect.isawaitable(result):
             try:

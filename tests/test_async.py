@@ -131,3 +131,42 @@ def test_async_worker_with_16_tasks_handles_each_message_once(async_sessions, pg
     assert sorted(seen) == list(range(total))
     with pg.engine.connect() as conn:
         assert conn.execute(sa.select(sa.func.count()).select_from(T)).scalar_one() == 0
+
+
+def test_async_worker_frees_each_transactional_session_after_its_message(async_sessions, pg):
+    """The runtime mapped each core Session to its AsyncSession in a WeakKeyDictionary whose
+    value held the key (``sync_session``): every message's pair stayed alive for as long as the
+    worker, 1,000 more per 1,000 messages."""
+    import gc
+    import weakref
+
+    q = DelayedQueue("aw-free")
+    total = 30
+    with pg.Session() as s, s.begin():
+        q.offer_batch(s, [(f"m{i:02d}", i) for i in range(total)])
+    seen: list[int] = []
+    handled: list[weakref.ref[object]] = []
+
+    async def handler(env, session) -> None:
+        seen.append(env.payload)
+        handled.append(weakref.ref(session))
+
+    async def scenario() -> None:
+        worker = AsyncWorker(async_sessions, concurrency=2, poll_interval=0.2)
+        worker.register(q, handler, mode="transactional")
+        runner = asyncio.create_task(worker.run(install_signal_handlers=False))
+        for _ in range(1200):
+            if len(seen) >= total:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)
+        gc.collect()
+        alive_while_running = sum(r() is not None for r in handled)
+        worker.request_stop()
+        assert await runner is True
+        gc.collect()
+        assert alive_while_running <= 2  # at most the sessions of the messages in hand
+        assert [r for r in handled if r() is not None] == []
+
+    asyncio.run(scenario())
+    assert sorted(seen) == list(range(total))
