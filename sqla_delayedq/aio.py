@@ -34,7 +34,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.util import await_only, greenlet_spawn
 
 from ._consumer import BaseWorker, Mode, WorkerHooks, hand_out, stop_signals
-from ._dialects import is_transient
+from ._dialects import Listener, is_transient
 from ._engine import engine_options
 from ._handlers import (
     check_async_handler,
@@ -606,11 +606,19 @@ class AsyncWorker(BaseWorker[async_sessionmaker[AsyncSession]]):
                     t.cancel()
                 for t in side:
                     t.cancel()
-                await asyncio.gather(*side, return_exceptions=True)
                 for fn in unsubscribe:
                     fn()
-                if listener is not None:
-                    await asyncio.to_thread(listener.stop)
+                # To its end: anyio cancels again at each await, which cut this short and
+                # left the LISTEN thread and its connection running after run() returned.
+                late = await _to_its_end(self._close_side(side, listener))
+                if late is not None and cancelled is None:
+                    raise late
+
+    @staticmethod
+    async def _close_side(side: list[asyncio.Task[Any]], listener: Listener | None) -> None:
+        await asyncio.gather(*side, return_exceptions=True)
+        if listener is not None:
+            await asyncio.to_thread(listener.stop)
 
     async def _wind_down(self, rt: AsyncRuntime, pending: set[asyncio.Task[Any]]) -> None:
         """After the drain: cancel the consumers it left (each gives back what it took and

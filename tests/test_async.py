@@ -170,3 +170,31 @@ def test_async_worker_frees_each_transactional_session_after_its_message(async_s
 
     asyncio.run(scenario())
     assert sorted(seen) == list(range(total))
+
+
+def test_async_worker_cancelled_by_an_anyio_scope_stops_its_listener(async_sessions):
+    """anyio cancels again at every await until the task ends: ``run()``'s last awaits were
+    cut short, and the ``LISTEN`` thread, its connection and the in-process wake-up
+    subscription outlived it (one more at each restart of a lifespan-hosted worker)."""
+    import threading
+
+    import anyio
+
+    from sqla_delayedq import _wakeup
+
+    handled: list[int] = []
+
+    async def handler(env) -> None:
+        handled.append(env.payload)
+
+    async def scenario() -> None:
+        worker = AsyncWorker(async_sessions, poll_interval=0.2)
+        worker.register(DelayedQueue("aw-scope"), handler)
+        with anyio.move_on_after(1):
+            await worker.run(install_signal_handlers=False)
+        assert worker._listening
+
+    asyncio.run(scenario())
+    listening = [t.name for t in threading.enumerate() if t.name.startswith("delayedq-listen")]
+    assert listening == []
+    assert sum(len(w) for w in _wakeup._waiters.values()) == 0
