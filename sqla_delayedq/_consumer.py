@@ -389,6 +389,10 @@ class Runtime(Protocol):
         not a ``CancelledError`` its handler raised or got from a future someone cancelled."""
         ...
 
+    #: Why the heartbeat may look late, and the remedy: for the warning that leases may have
+    #: run out under their handlers.
+    late_hint: str
+
     def generation(self) -> int: ...
     def wait(self, seen: int, timeout: float) -> None:
         """Sleep until ``timeout``, a wake-up since generation ``seen``, or a stop request."""
@@ -1905,6 +1909,7 @@ class BaseWorker(Generic[S]):
             now = time.monotonic()
             if rt.drained or now < due:
                 continue
+            self._warn_if_late(now - due)
             due = now + every
             # Rows whose lock the last look gave up waiting for go last, after every other.
             waited, blocked = blocked, set()
@@ -1934,6 +1939,25 @@ class BaseWorker(Generic[S]):
                     continue
                 if longer is not None:
                     self._in_flight.replace(reg, longer)
+
+    def _warn_if_late(self, late: float) -> None:
+        """Warn when the heartbeat looked later than a third of a lease in flight: the lease
+        may have run out before its extension, and another consumer run the message too."""
+        late_for = {
+            reg.source.name
+            for reg, _, _ in self._in_flight.snapshot()
+            if late > reg.lease.total_seconds() / 3
+        }
+        if late_for:
+            log.warning(
+                "%s: the lease heartbeat ran %.1f s late; leases of queue(s) %s may have run "
+                "out under their handlers, and their messages may be delivered a second time "
+                "(%s)",
+                self.name,
+                late,
+                ", ".join(sorted(late_for)),
+                self.rt.late_hint,
+            )
 
     @staticmethod
     def _extend(s: Session, reg: Registration, env: Envelope[Any], wait: float) -> Any:

@@ -391,6 +391,11 @@ class AsyncRuntime:
     thread (the ``LISTEN`` thread, a committing thread of the application).
     """
 
+    late_hint = (
+        "a handler or hook blocked the event loop, and the heartbeat runs on it: run blocking "
+        "work off the loop with asyncio.to_thread or loop.run_in_executor"
+    )
+
     def __init__(self, loop: asyncio.AbstractEventLoop, sessions: Callable[..., Any]) -> None:
         self.loop = loop
         self.sessions = sessions

@@ -68,6 +68,8 @@ SIGNAL_LOOK = 0.1
 class ThreadRuntime:
     """Waiting, sleeping, sessions and handler calls for threads."""
 
+    late_hint = "the process was stalled: CPU starved, suspended or swapping"
+
     def __init__(self, sessions: sessionmaker[Session]) -> None:
         self.sessions = sessions
         self._stop = threading.Event()

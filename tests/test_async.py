@@ -198,3 +198,40 @@ def test_async_worker_cancelled_by_an_anyio_scope_stops_its_listener(async_sessi
     listening = [t.name for t in threading.enumerate() if t.name.startswith("delayedq-listen")]
     assert listening == []
     assert sum(len(w) for w in _wakeup._waiters.values()) == 0
+
+
+def test_async_handler_blocking_the_loop_past_its_lease_is_warned_about(async_sessions, pg, caplog):
+    """The heartbeat runs on the event loop: a handler that blocks it (``time.sleep``, a sync
+    SDK call) longer than its lease keeps it from extending the lease, and another consumer
+    may run the message a second time. Nothing said so; the late heartbeat now warns, naming
+    the queue and the remedy."""
+    import logging
+    import time
+
+    q = DelayedQueue("aw-blocks", lease=timedelta(seconds=1))
+    with pg.Session() as s, s.begin():
+        q.offer(s, "k", 1)
+    runs: list[int] = []
+
+    async def handler(env) -> None:
+        runs.append(env.payload)
+        time.sleep(2)
+
+    async def scenario() -> None:
+        worker = AsyncWorker(async_sessions, concurrency=1, poll_interval=0.2)
+        worker.register(q, handler)
+        runner = asyncio.create_task(worker.run(install_signal_handlers=False))
+        for _ in range(600):
+            if runs:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # the heartbeat's look after the handler let the loop go
+        worker.request_stop()
+        await runner
+
+    with caplog.at_level(logging.WARNING, logger="sqla_delayedq.worker"):
+        asyncio.run(scenario())
+    late = [r.getMessage() for r in caplog.records if "heartbeat ran" in r.getMessage()]
+    assert late, "no warning"
+    assert "aw-blocks" in late[0] and "second time" in late[0]
+    assert "asyncio.to_thread" in late[0]
