@@ -23,7 +23,15 @@ import contextlib
 import functools
 import inspect
 import logging
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import (
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from datetime import datetime, timedelta
 from typing import Any, Generic, TypeVar
 
@@ -518,6 +526,44 @@ class AsyncRuntime:
             self.loop.call_soon_threadsafe(fn)
 
 
+#: The workers each event loop's SIGTERM/SIGINT handler stops, and how to restore the handlers
+#: the process had before the first of them started.
+_signalled: dict[asyncio.AbstractEventLoop, tuple[set[AsyncWorker], contextlib.ExitStack]] = {}
+
+
+@contextlib.contextmanager
+def _stop_on_signals(loop: asyncio.AbstractEventLoop, worker: AsyncWorker) -> Iterator[None]:
+    """SIGTERM and SIGINT stop ``worker``, and every other worker of ``loop`` running in such
+    a block. An event loop has one handler per signal: each worker installing its own replaced
+    the one before (a SIGTERM stopped only the last started), and the first to stop restored
+    the process's handlers while the others still ran."""
+    entry = _signalled.get(loop)
+    if entry is None:
+        restore = contextlib.ExitStack()
+        restore.enter_context(
+            stop_signals(
+                lambda sig: loop.add_signal_handler(sig, _stop_every_worker, loop),
+                loop.remove_signal_handler,
+            )
+        )
+        entry = _signalled[loop] = (set(), restore)
+    workers, restore = entry
+    workers.add(worker)
+    try:
+        yield
+    finally:
+        workers.discard(worker)
+        if not workers:
+            del _signalled[loop]
+            restore.close()
+
+
+def _stop_every_worker(loop: asyncio.AbstractEventLoop) -> None:
+    workers, _ = _signalled.get(loop, (set(), None))
+    for worker in list(workers):
+        worker.request_stop()
+
+
 class AsyncWorker(BaseWorker[async_sessionmaker[AsyncSession]]):
     """Run ``async def`` handlers for one or more queues on ``concurrency`` tasks.
 
@@ -563,12 +609,7 @@ class AsyncWorker(BaseWorker[async_sessionmaker[AsyncSession]]):
         if self._stop_requested:
             rt.request_stop()
         handlers = (
-            stop_signals(
-                lambda sig: loop.add_signal_handler(sig, self.request_stop),
-                loop.remove_signal_handler,
-            )
-            if install_signal_handlers
-            else contextlib.nullcontext()
+            _stop_on_signals(loop, self) if install_signal_handlers else contextlib.nullcontext()
         )
         with handlers:
             unsubscribe = [subscribe(t, self._waiter(t)) for t in self._tables()]

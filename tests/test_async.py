@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from datetime import timedelta
 from typing import cast
 
@@ -235,3 +237,57 @@ def test_async_handler_blocking_the_loop_past_its_lease_is_warned_about(async_se
     assert late, "no warning"
     assert "aw-blocks" in late[0] and "second time" in late[0]
     assert "asyncio.to_thread" in late[0]
+
+
+TWO_ON_ONE_LOOP = """
+import asyncio, os, signal, sys
+from sqlalchemy.ext.asyncio import async_sessionmaker
+from sqla_delayedq import DelayedQueue
+from sqla_delayedq.aio import AsyncWorker, create_async_engine
+from sqla_delayedq.models import metadata
+import sqlalchemy as sa
+
+url = sys.argv[1]
+engine = sa.create_engine(url.replace("+aiosqlite", ""))
+metadata.create_all(engine)
+engine.dispose()
+stopped_by_the_process = []
+signal.signal(signal.SIGTERM, lambda *_: stopped_by_the_process.append("TERM"))
+
+async def handle(env):
+    pass
+
+async def main():
+    engine = create_async_engine(url)
+    sessions = async_sessionmaker(engine)
+    first = AsyncWorker(sessions, name="first", poll_interval=0.1, listen=False)
+    second = AsyncWorker(sessions, name="second", poll_interval=0.1, listen=False)
+    first.register(DelayedQueue("a"), handle)
+    second.register(DelayedQueue("b"), handle)
+    runs = [asyncio.create_task(w.run()) for w in (first, second)]
+    await asyncio.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGTERM)
+    done, _ = await asyncio.wait(runs, timeout=20)
+    print("stopped:", len(done))
+    for w in (first, second):
+        w.request_stop()
+    await asyncio.gather(*runs)
+    await engine.dispose()
+    os.kill(os.getpid(), signal.SIGTERM)  # back to the process's own handler
+    print("after:", stopped_by_the_process)
+
+asyncio.run(main())
+"""
+
+
+def test_sigterm_stops_every_async_worker_of_the_event_loop(tmp_path):
+    """Each AsyncWorker installed its own handler on the loop, replacing the one before: a
+    SIGTERM stopped only the last started, and once that one stopped, the handler it restored
+    was asyncio's (SIGTERM ignored) while the first still ran. One handler per loop now stops
+    every worker running on it, and the process's own comes back after the last."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'two.db'}"
+    proc = subprocess.run(
+        [sys.executable, "-c", TWO_ON_ONE_LOOP, url], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["stopped: 2", "after: ['TERM']"]
