@@ -575,7 +575,6 @@ class AsyncWorker(BaseWorker[async_sessionmaker[AsyncSession]]):
     be ``async def`` or plain functions: an ``async def`` one is awaited.
     """
 
-    default_concurrency = 16
     default_name = "delayedq-async-worker"
 
     def _check_handler(self, handler: Any, where: str) -> None:

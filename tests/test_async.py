@@ -291,3 +291,12 @@ def test_sigterm_stops_every_async_worker_of_the_event_loop(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["stopped: 2", "after: ['TERM']"]
+
+
+def test_async_worker_has_the_thread_worker_s_default_concurrency(async_sessions):
+    """The docs give both workers one configuration; the asyncio worker ran 16 tasks, and
+    16 transactional handlers outran an async engine's default pool (5 + 10)."""
+    from sqla_delayedq.worker import Worker
+
+    worker = AsyncWorker(async_sessions)
+    assert worker.concurrency == Worker.default_concurrency == 4
