@@ -977,6 +977,17 @@ class BaseWorker(Generic[S]):
         self._started = True
         self.started_at = time.time()
 
+    def _check_signal_thread(self) -> None:
+        """Before ``run()`` installs its SIGTERM/SIGINT handlers, which Python allows only on
+        the main thread: refused before anything starts (an AsyncWorker whose install failed
+        stayed marked as running, and refused a second ``run()``)."""
+        if threading.current_thread() is not threading.main_thread():
+            raise InvalidArgument(
+                f"{self.name}: run() installs SIGTERM/SIGINT handlers, which only the main "
+                "thread may; on another thread call run(install_signal_handlers=False) and stop "
+                "the worker with request_stop()"
+            )
+
     def _raise_failure(self) -> None:
         if self.failure is not None:
             raise WorkerError(

@@ -601,6 +601,8 @@ class AsyncWorker(BaseWorker[async_sessionmaker[AsyncSession]]):
         Raises :class:`~sqla_delayedq.WorkerError` when the worker stopped on an error it must
         not retry (a bug, a missing table): it was logged with its traceback.
         """
+        if install_signal_handlers:
+            self._check_signal_thread()
         self._check_startable(once=True)
         loop = asyncio.get_running_loop()
         rt = AsyncRuntime(loop, self.sessions)

@@ -256,6 +256,8 @@ class Worker(BaseWorker[sessionmaker[Session]]):
         # took such a lock itself waited on its own thread for ever (Ctrl-C on `delayedq worker
         # -p N` sends SIGINT, then the supervisor SIGTERM). It only notes the signal; the loop
         # below asks for the stop.
+        if install_signal_handlers:
+            self._check_signal_thread()
         signalled: list[int] = []
         handlers = (
             stop_signals(lambda sig: signal.signal(sig, lambda n, _: signalled.append(n)))

@@ -300,3 +300,45 @@ def test_async_worker_has_the_thread_worker_s_default_concurrency(async_sessions
 
     worker = AsyncWorker(async_sessions)
     assert worker.concurrency == Worker.default_concurrency == 4
+
+
+def test_run_off_the_main_thread_is_refused_clearly_and_the_worker_can_run_after(tmp_path):
+    """``run()`` installs signal handlers, which only the main thread may: off it, asyncio's
+    ``RuntimeError: set_wakeup_fd only works in main thread`` came after the worker was marked
+    running, and the retry with ``install_signal_handlers=False`` was refused ("already
+    running"). The first call is now refused before anything starts, saying what to do."""
+    import threading
+
+    from sqla_delayedq import create_engine
+    from sqla_delayedq.aio import create_async_engine as our_async_engine
+    from sqla_delayedq.errors import InvalidArgument
+    from sqla_delayedq.models import metadata
+
+    path = tmp_path / "off-main.db"
+    sync = create_engine(f"sqlite:///{path}")
+    metadata.create_all(sync)
+    sync.dispose()
+    outcomes: list[object] = []
+
+    async def handle(env) -> None:
+        pass
+
+    async def main() -> None:
+        engine = our_async_engine(f"sqlite+aiosqlite:///{path}")
+        worker = AsyncWorker(async_sessionmaker(engine), poll_interval=0.1, listen=False)
+        worker.register(DelayedQueue("off-main"), handle)
+        try:
+            await worker.run()
+        except Exception as exc:
+            outcomes.append(exc)
+        asyncio.get_running_loop().call_later(0.3, worker.request_stop)
+        outcomes.append(await worker.run(install_signal_handlers=False))
+        await engine.dispose()
+
+    thread = threading.Thread(target=lambda: asyncio.run(main()))
+    thread.start()
+    thread.join(60)
+    assert len(outcomes) == 2, outcomes
+    assert isinstance(outcomes[0], InvalidArgument)
+    assert "install_signal_handlers=False" in str(outcomes[0])
+    assert outcomes[1] is True

@@ -2322,6 +2322,27 @@ print("stopped", flush=True)
 """
 
 
+def test_run_off_the_main_thread_says_to_leave_the_signal_handlers_alone(backend):
+    """``Worker.run()`` off the main thread failed with Python's ``ValueError: signal only
+    works in main thread``, which did not say what to do."""
+    worker = Worker(backend.Session, poll_interval=0.05, listen=False)
+    worker.register(DelayedQueue("off-main"), lambda env: None)
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            worker.run()
+        except Exception as exc:
+            failures.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(30)
+    assert len(failures) == 1 and isinstance(failures[0], InvalidArgument)
+    assert "install_signal_handlers=False" in str(failures[0])
+    assert not worker._started
+
+
 def test_a_thread_worker_stops_on_a_second_signal_during_the_first_s_stop(tmp_path):
     """Ctrl-C on ``delayedq worker -p N`` sends each child SIGINT, and the supervisor then
     SIGTERM: a thread worker's signal handler asked for the stop itself, taking a lock of the
