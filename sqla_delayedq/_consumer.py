@@ -687,6 +687,7 @@ class BaseWorker(Generic[S]):
         require_option(poll_interval, "poll_interval", above=0)
         require_option(batch_size, "batch_size", whole=True, least=1)
         require_option(drain_timeout, "drain_timeout", least=0)
+        self._check_sessions(sessions)
         self.sessions = sessions
         self.concurrency = concurrency
         self.poll_interval = poll_interval
@@ -976,6 +977,10 @@ class BaseWorker(Generic[S]):
         controls.keep_fresh(self.poll_interval)
         self._started = True
         self.started_at = time.time()
+
+    def _check_sessions(self, sessions: Any) -> None:
+        """Refuse the other runtime's kind of session factory, which failed only once the
+        worker ran."""
 
     def _check_signal_thread(self) -> None:
         """Before ``run()`` installs its SIGTERM/SIGINT handlers, which Python allows only on

@@ -38,7 +38,7 @@ from typing import Any, Generic, TypeVar
 from sqlalchemy.engine import URL, Engine
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.ext.asyncio import create_async_engine as sa_create_async_engine
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.util import await_only, greenlet_spawn
 
 from ._consumer import BaseWorker, Mode, WorkerHooks, hand_out, stop_signals
@@ -582,6 +582,14 @@ class AsyncWorker(BaseWorker[async_sessionmaker[AsyncSession]]):
 
     def _check_callback(self, fn: Any, where: str) -> None:
         check_callback(fn, where, awaits=True)
+
+    def _check_sessions(self, sessions: Any) -> None:
+        if isinstance(sessions, sessionmaker):
+            raise InvalidArgument(
+                "AsyncWorker needs an async_sessionmaker (on an engine of "
+                "sqla_delayedq.aio.create_async_engine), not a sessionmaker: for plain-function "
+                "handlers on a sync engine use sqla_delayedq.worker.Worker"
+            )
 
     def _side_sessions(self, fn: Callable[..., Any]) -> Callable[[], Any]:
         """An ``async def`` side task opens ``AsyncSession`` objects (``async with``); a plain

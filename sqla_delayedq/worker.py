@@ -23,6 +23,7 @@ import collections
 import contextlib
 import logging
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from ._consumer import BaseWorker, Mode, WorkerHooks, hand_out, require_option, 
 from ._handlers import call_sync_handler, check_callback, check_sync_handler, is_cancellation
 from ._types import QueueName
 from ._wakeup import subscribe
+from .errors import InvalidArgument
 
 __all__ = ["Handler", "Mode", "QueueName", "Worker", "WorkerHooks"]
 
@@ -168,6 +170,14 @@ class Worker(BaseWorker[sessionmaker[Session]]):
 
     def _check_handler(self, handler: Any, where: str) -> None:
         check_sync_handler(handler, where)
+
+    def _check_sessions(self, sessions: Any) -> None:
+        aio = sys.modules.get("sqlalchemy.ext.asyncio")  # not imported: not one of its makers
+        if aio is not None and isinstance(sessions, aio.async_sessionmaker):
+            raise InvalidArgument(
+                "Worker needs a sessionmaker, not an async_sessionmaker: for async def "
+                "handlers on an async engine use sqla_delayedq.aio.AsyncWorker"
+            )
 
     def _check_callback(self, fn: Any, where: str) -> None:
         check_callback(fn, where, awaits=False)

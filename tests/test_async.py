@@ -342,3 +342,15 @@ def test_run_off_the_main_thread_is_refused_clearly_and_the_worker_can_run_after
     assert isinstance(outcomes[0], InvalidArgument)
     assert "install_signal_handlers=False" in str(outcomes[0])
     assert outcomes[1] is True
+
+
+def test_each_worker_refuses_the_other_kind_of_sessionmaker(async_sessions, pg):
+    """``AsyncWorker(sessionmaker(...))`` died later with an AttributeError, and
+    ``Worker(async_sessionmaker(...))`` started, then died with a TypeError."""
+    from sqla_delayedq.errors import InvalidArgument
+    from sqla_delayedq.worker import Worker
+
+    with pytest.raises(InvalidArgument, match=r"use sqla_delayedq\.worker\.Worker"):
+        AsyncWorker(pg.Session)
+    with pytest.raises(InvalidArgument, match=r"use sqla_delayedq\.aio\.AsyncWorker"):
+        Worker(async_sessions)
