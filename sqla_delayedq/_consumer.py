@@ -397,6 +397,10 @@ class Runtime(Protocol):
         not a ``CancelledError`` its handler raised or got from a future someone cancelled."""
         ...
 
+    #: Why the heartbeat may look late, and the remedy: for the warning that leases may have
+    #: run out under their handlers.
+    late_hint: str
+
     def generation(self) -> int: ...
     def wait(self, seen: int, timeout: float) -> None:
         """Sleep until ``timeout``, a wake-up since generation ``seen``, or a stop request."""
@@ -691,6 +695,7 @@ class BaseWorker(Generic[S]):
         require_option(poll_interval, "poll_interval", above=0)
         require_option(batch_size, "batch_size", whole=True, least=1)
         require_option(drain_timeout, "drain_timeout", least=0)
+        self._check_sessions(sessions)
         self.sessions = sessions
         self.concurrency = concurrency
         self.poll_interval = poll_interval
@@ -983,6 +988,21 @@ class BaseWorker(Generic[S]):
         controls.keep_fresh(self.poll_interval)
         self._started = True
         self.started_at = time.time()
+
+    def _check_sessions(self, sessions: Any) -> None:
+        """Refuse the other runtime's kind of session factory, which failed only once the
+        worker ran."""
+
+    def _check_signal_thread(self) -> None:
+        """Before ``run()`` installs its SIGTERM/SIGINT handlers, which Python allows only on
+        the main thread: refused before anything starts (an AsyncWorker whose install failed
+        stayed marked as running, and refused a second ``run()``)."""
+        if threading.current_thread() is not threading.main_thread():
+            raise InvalidArgument(
+                f"{self.name}: run() installs SIGTERM/SIGINT handlers, which only the main "
+                "thread may; on another thread call run(install_signal_handlers=False) and stop "
+                "the worker with request_stop()"
+            )
 
     def _raise_failure(self) -> None:
         if self.failure is not None:
@@ -1927,6 +1947,7 @@ class BaseWorker(Generic[S]):
             now = time.monotonic()
             if rt.drained or now < due:
                 continue
+            self._warn_if_late(now - due)
             due = now + every
             # Rows whose lock the last look gave up waiting for go last, after every other.
             waited, blocked = blocked, set()
@@ -1956,6 +1977,25 @@ class BaseWorker(Generic[S]):
                     continue
                 if longer is not None:
                     self._in_flight.replace(reg, longer)
+
+    def _warn_if_late(self, late: float) -> None:
+        """Warn when the heartbeat looked later than a third of a lease in flight: the lease
+        may have run out before its extension, and another consumer run the message too."""
+        late_for = {
+            reg.source.name
+            for reg, _, _ in self._in_flight.snapshot()
+            if late > reg.lease.total_seconds() / 3
+        }
+        if late_for:
+            log.warning(
+                "%s: the lease heartbeat ran %.1f s late; leases of queue(s) %s may have run "
+                "out under their handlers, and their messages may be delivered a second time "
+                "(%s)",
+                self.name,
+                late,
+                ", ".join(sorted(late_for)),
+                self.rt.late_hint,
+            )
 
     @staticmethod
     def _extend(s: Session, reg: Registration, env: Envelope[Any], wait: float) -> Any:

@@ -1070,6 +1070,28 @@ class SQLiteStrategy(Strategy):
         return isinstance(exc, sa_exc.OperationalError) and "locked" in str(exc.orig)
 
 
+#: asyncpg's ``ssl=`` values that mean the same as libpq's ``sslmode``.
+_SSL_MODES = frozenset({"disable", "allow", "prefer", "require", "verify-ca", "verify-full"})
+
+
+def libpq_url(url: URL) -> tuple[URL, list[str]]:
+    """``url`` (of any PostgreSQL driver) for a libpq connection (the listener's, through
+    psycopg), and the query keys dropped on the way: libpq refuses a conninfo with a key it
+    does not know, so an asyncpg URL's ``?prepared_statement_cache_size=0`` kept the listener
+    from ever connecting. asyncpg's ``ssl=<mode>`` becomes ``sslmode``."""
+    from psycopg import pq
+
+    known = {o.keyword.decode() for o in pq.Conninfo.get_defaults()}
+    query = dict(url.query)
+    ssl = query.pop("ssl", None)
+    if isinstance(ssl, str) and ssl in _SSL_MODES and "sslmode" not in query:
+        query["sslmode"] = ssl
+    elif ssl is not None:
+        query["ssl"] = ssl  # not a mode libpq has: dropped below, and said so
+    kept = {k: v for k, v in query.items() if k in known}
+    return url.set(drivername="postgresql", query=kept), sorted(query.keys() - kept.keys())
+
+
 class PgListener(Listener):
     """A daemon thread that ``LISTEN``s on the channels of tables (``channels``: channel ->
     table key) and calls ``wake(table, queue, count)`` per notification (see :mod:`._wakeup`
@@ -1099,6 +1121,7 @@ class PgListener(Listener):
         self._state = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="delayedq-listen", daemon=True)
         self.connected = threading.Event()
+        self._conninfo: str | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -1123,7 +1146,17 @@ class PgListener(Listener):
     def _connect(self) -> Any:
         import psycopg
 
-        conninfo = self.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        if self._conninfo is None:  # once: the listener reconnects with it
+            url, dropped = libpq_url(self.url)
+            if dropped:
+                log.warning(
+                    "the LISTEN connection (libpq) leaves out URL parameters it does not know: "
+                    "%s (the engine's own connections keep them); give libpq's own keywords "
+                    "(sslmode=...) for what the listener needs too",
+                    ", ".join(dropped),
+                )
+            self._conninfo = url.render_as_string(hide_password=False)
+        conninfo = self._conninfo
         # TCP keepalives: an idle connection whose peer vanished without a word (a cable, a
         # firewall) is found dead within about 11 seconds (5 idle, then 3 probes 2 seconds
         # apart), where without them it could seem alive for hours.

@@ -23,19 +23,26 @@ import contextlib
 import functools
 import inspect
 import logging
-import weakref
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import (
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from datetime import datetime, timedelta
 from typing import Any, Generic, TypeVar
 
 from sqlalchemy.engine import URL, Engine
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.ext.asyncio import create_async_engine as sa_create_async_engine
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.util import await_only, greenlet_spawn
 
 from ._consumer import BaseWorker, Mode, WorkerHooks, hand_out, stop_signals
-from ._dialects import is_transient
+from ._dialects import Listener, is_transient
 from ._engine import engine_options
 from ._handlers import (
     check_async_handler,
@@ -377,6 +384,10 @@ async def _again_if_cancelled(step: Callable[[], Awaitable[Any]], tries: int = 3
                 raise
 
 
+#: The key, in a Session's ``info``, of the AsyncSession around it (``AsyncRuntime.session``).
+_ASYNC_SESSION = "sqla_delayedq.async_session"
+
+
 def _resolve(wakeup: asyncio.Future[None]) -> bool:
     """Wake one waiter; False when it no longer waits (timed out or cancelled)."""
     if wakeup.done():
@@ -393,6 +404,11 @@ class AsyncRuntime:
     thread (the ``LISTEN`` thread, a committing thread of the application).
     """
 
+    late_hint = (
+        "a handler or hook blocked the event loop, and the heartbeat runs on it: run blocking "
+        "work off the loop with asyncio.to_thread or loop.run_in_executor"
+    )
+
     def __init__(self, loop: asyncio.AbstractEventLoop, sessions: Callable[..., Any]) -> None:
         self.loop = loop
         self.sessions = sessions
@@ -401,9 +417,6 @@ class AsyncRuntime:
         self._stopped: asyncio.Future[None] = loop.create_future()
         self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
         self._generation = 0
-        self._async_of: weakref.WeakKeyDictionary[Session, AsyncSession] = (
-            weakref.WeakKeyDictionary()
-        )
 
     @property
     def stopping(self) -> bool:
@@ -424,12 +437,14 @@ class AsyncRuntime:
     def session(self) -> Session:
         async_session: AsyncSession = self.sessions(expire_on_commit=False)
         sync = async_session.sync_session
-        self._async_of[sync] = async_session
+        # In the Session's own ``info``: both go together. (A WeakKeyDictionary's value held
+        # its key through ``sync_session``, so every message's pair was kept forever.)
+        sync.info[_ASYNC_SESSION] = async_session
         return sync
 
     def call(self, handler: Callable[..., Any], *args: Any) -> Any:
         # A transactional handler gets the AsyncSession around the core's Session.
-        args = tuple(self._async_of.get(a, a) if isinstance(a, Session) else a for a in args)
+        args = tuple(a.info.get(_ASYNC_SESSION, a) if isinstance(a, Session) else a for a in args)
         result = handler(*args)
         if inspect.isawaitable(result):
             try:
@@ -516,6 +531,44 @@ class AsyncRuntime:
             self.loop.call_soon_threadsafe(fn)
 
 
+#: The workers each event loop's SIGTERM/SIGINT handler stops, and how to restore the handlers
+#: the process had before the first of them started.
+_signalled: dict[asyncio.AbstractEventLoop, tuple[set[AsyncWorker], contextlib.ExitStack]] = {}
+
+
+@contextlib.contextmanager
+def _stop_on_signals(loop: asyncio.AbstractEventLoop, worker: AsyncWorker) -> Iterator[None]:
+    """SIGTERM and SIGINT stop ``worker``, and every other worker of ``loop`` running in such
+    a block. An event loop has one handler per signal: each worker installing its own replaced
+    the one before (a SIGTERM stopped only the last started), and the first to stop restored
+    the process's handlers while the others still ran."""
+    entry = _signalled.get(loop)
+    if entry is None:
+        restore = contextlib.ExitStack()
+        restore.enter_context(
+            stop_signals(
+                lambda sig: loop.add_signal_handler(sig, _stop_every_worker, loop),
+                loop.remove_signal_handler,
+            )
+        )
+        entry = _signalled[loop] = (set(), restore)
+    workers, restore = entry
+    workers.add(worker)
+    try:
+        yield
+    finally:
+        workers.discard(worker)
+        if not workers:
+            del _signalled[loop]
+            restore.close()
+
+
+def _stop_every_worker(loop: asyncio.AbstractEventLoop) -> None:
+    workers, _ = _signalled.get(loop, (set(), None))
+    for worker in list(workers):
+        worker.request_stop()
+
+
 class AsyncWorker(BaseWorker[async_sessionmaker[AsyncSession]]):
     """Run ``async def`` handlers for one or more queues on ``concurrency`` tasks.
 
@@ -527,7 +580,6 @@ class AsyncWorker(BaseWorker[async_sessionmaker[AsyncSession]]):
     be ``async def`` or plain functions: an ``async def`` one is awaited.
     """
 
-    default_concurrency = 16
     default_name = "delayedq-async-worker"
 
     def _check_handler(self, handler: Any, where: str) -> None:
@@ -535,6 +587,14 @@ class AsyncWorker(BaseWorker[async_sessionmaker[AsyncSession]]):
 
     def _check_callback(self, fn: Any, where: str) -> None:
         check_callback(fn, where, awaits=True)
+
+    def _check_sessions(self, sessions: Any) -> None:
+        if isinstance(sessions, sessionmaker):
+            raise InvalidArgument(
+                "AsyncWorker needs an async_sessionmaker (on an engine of "
+                "sqla_delayedq.aio.create_async_engine), not a sessionmaker: for plain-function "
+                "handlers on a sync engine use sqla_delayedq.worker.Worker"
+            )
 
     def _side_sessions(self, fn: Callable[..., Any]) -> Callable[[], Any]:
         """An ``async def`` side task opens ``AsyncSession`` objects (``async with``); a plain
@@ -554,6 +614,8 @@ class AsyncWorker(BaseWorker[async_sessionmaker[AsyncSession]]):
         Raises :class:`~sqla_delayedq.WorkerError` when the worker stopped on an error it must
         not retry (a bug, a missing table): it was logged with its traceback.
         """
+        if install_signal_handlers:
+            self._check_signal_thread()
         self._check_startable(once=True)
         loop = asyncio.get_running_loop()
         rt = AsyncRuntime(loop, self.sessions)
@@ -561,12 +623,7 @@ class AsyncWorker(BaseWorker[async_sessionmaker[AsyncSession]]):
         if self._stop_requested:
             rt.request_stop()
         handlers = (
-            stop_signals(
-                lambda sig: loop.add_signal_handler(sig, self.request_stop),
-                loop.remove_signal_handler,
-            )
-            if install_signal_handlers
-            else contextlib.nullcontext()
+            _stop_on_signals(loop, self) if install_signal_handlers else contextlib.nullcontext()
         )
         with handlers:
             unsubscribe = [subscribe(t, self._waiter(t)) for t in self._tables()]
@@ -609,11 +666,19 @@ class AsyncWorker(BaseWorker[async_sessionmaker[AsyncSession]]):
                     t.cancel()
                 for t in side:
                     t.cancel()
-                await asyncio.gather(*side, return_exceptions=True)
                 for fn in unsubscribe:
                     fn()
-                if listener is not None:
-                    await asyncio.to_thread(listener.stop)
+                # To its end: anyio cancels again at each await, which cut this short and
+                # left the LISTEN thread and its connection running after run() returned.
+                late = await _to_its_end(self._close_side(side, listener))
+                if late is not None and cancelled is None:
+                    raise late
+
+    @staticmethod
+    async def _close_side(side: list[asyncio.Task[Any]], listener: Listener | None) -> None:
+        await asyncio.gather(*side, return_exceptions=True)
+        if listener is not None:
+            await asyncio.to_thread(listener.stop)
 
     async def _wind_down(self, rt: AsyncRuntime, pending: set[asyncio.Task[Any]]) -> None:
         """After the drain: cancel the consumers it left (each gives back what it took and

@@ -23,6 +23,7 @@ import collections
 import contextlib
 import logging
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from ._consumer import BaseWorker, Mode, WorkerHooks, hand_out, require_option, 
 from ._handlers import call_sync_handler, check_callback, check_sync_handler, is_cancellation
 from ._types import QueueName
 from ._wakeup import subscribe
+from .errors import InvalidArgument
 
 __all__ = ["Handler", "Mode", "QueueName", "Worker", "WorkerHooks"]
 
@@ -67,6 +69,8 @@ SIGNAL_LOOK = 0.1
 
 class ThreadRuntime:
     """Waiting, sleeping, sessions and handler calls for threads."""
+
+    late_hint = "the process was stalled: CPU starved, suspended or swapping"
 
     def __init__(self, sessions: sessionmaker[Session]) -> None:
         self.sessions = sessions
@@ -167,6 +171,14 @@ class Worker(BaseWorker[sessionmaker[Session]]):
     def _check_handler(self, handler: Any, where: str) -> None:
         check_sync_handler(handler, where)
 
+    def _check_sessions(self, sessions: Any) -> None:
+        aio = sys.modules.get("sqlalchemy.ext.asyncio")  # not imported: not one of its makers
+        if aio is not None and isinstance(sessions, aio.async_sessionmaker):
+            raise InvalidArgument(
+                "Worker needs a sessionmaker, not an async_sessionmaker: for async def "
+                "handlers on an async engine use sqla_delayedq.aio.AsyncWorker"
+            )
+
     def _check_callback(self, fn: Any, where: str) -> None:
         check_callback(fn, where, awaits=False)
 
@@ -254,6 +266,8 @@ class Worker(BaseWorker[sessionmaker[Session]]):
         # took such a lock itself waited on its own thread for ever (Ctrl-C on `delayedq worker
         # -p N` sends SIGINT, then the supervisor SIGTERM). It only notes the signal; the loop
         # below asks for the stop.
+        if install_signal_handlers:
+            self._check_signal_thread()
         signalled: list[int] = []
         handlers = (
             stop_signals(lambda sig: signal.signal(sig, lambda n, _: signalled.append(n)))

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import async_sessionmaker
 from sqlalchemy.orm import Session, sessionmaker
 
 from sqla_delayedq import (
@@ -114,7 +115,7 @@ def test_both_workers_refuse_generator_handlers(backend, handler, kind):
         worker.register(q, handler, mode="transactional")
     with pytest.raises(InvalidArgument, match=kind):
         worker.register_batch(q, handler)
-    aworker = AsyncWorker(backend.Session)
+    aworker = AsyncWorker(async_sessionmaker())
     with pytest.raises(InvalidArgument, match=kind):
         aworker.register(q, handler)
     with pytest.raises(InvalidArgument, match=kind):
@@ -137,7 +138,7 @@ def test_workers_refuse_the_wrong_kind_of_handler_for_entity_queues_too(backend)
     with pytest.raises(InvalidArgument, match="async function"):
         Worker(backend.Session).register(EntityQueue(Order), async_handler)
     with pytest.raises(InvalidArgument, match="not an async function"):
-        AsyncWorker(backend.Session).register(EntityQueue(Order), sync_handler)
+        AsyncWorker(async_sessionmaker()).register(EntityQueue(Order), sync_handler)
     with pytest.raises(InvalidArgument, match="expected a DelayedQueue or an EntityQueue"):
         Worker(backend.Session).register("emails", sync_handler)
 
@@ -178,7 +179,6 @@ class Handles:
 def test_workers_refuse_a_handler_that_cannot_take_what_its_mode_passes(kind, how, wrong, call):
     """A handler of the wrong arity failed each attempt with a TypeError until every message of
     its queue was dead; it is now refused where it is registered."""
-    from sqlalchemy.ext.asyncio import async_sessionmaker
 
     from sqla_delayedq.aio import create_async_engine
 
@@ -266,8 +266,8 @@ def test_workers_refuse_a_lease_or_handler_timeout_that_is_not_a_positive_timede
     cases = [
         lambda: Worker(sessions).register(q, sync_handler, **{option: value}),
         lambda: Worker(sessions).register_batch(q, lambda envs: None, **{option: value}),
-        lambda: AsyncWorker(sessions).register(q, async_handler, **{option: value}),
-        lambda: AsyncWorker(sessions).register_batch(q, async_batch, **{option: value}),
+        lambda: AsyncWorker(async_sessionmaker()).register(q, async_handler, **{option: value}),
+        lambda: AsyncWorker(async_sessionmaker()).register_batch(q, async_batch, **{option: value}),
     ]
     for register in cases:
         with pytest.raises(InvalidArgument, match=f"register(_batch)?: {option} {problem}"):
@@ -293,7 +293,8 @@ def test_register_batch_refuses_a_batch_size_that_is_no_int_from_1(kind, value, 
 
     handler = async_batch if kind is AsyncWorker else (lambda envs: None)
     with pytest.raises(InvalidArgument, match=f"register_batch: {problem}"):
-        kind(sessions).register_batch(DelayedQueue("q"), handler, batch_size=value)
+        maker = async_sessionmaker() if kind is AsyncWorker else sessions
+        kind(maker).register_batch(DelayedQueue("q"), handler, batch_size=value)
 
 
 @pytest.mark.parametrize(
@@ -892,7 +893,7 @@ def test_the_thread_worker_refuses_hooks_and_periodic_tasks_it_would_never_run(f
         Worker(sessions).add_periodic("tick", fn, 1)
     with pytest.raises(InvalidArgument, match=rf"add_periodic: on_stop.*{problem}"):
         Worker(sessions).add_periodic("tick", lambda sessions: None, 1, on_stop=fn)
-    aworker = AsyncWorker(sessions)
+    aworker = AsyncWorker(async_sessionmaker())
     if fn in (async_tick,) or isinstance(fn, functools.partial):
         aworker.add_periodic("tick", fn, 1).add_hooks(Hooks())  # awaited there
     else:

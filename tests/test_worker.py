@@ -1770,6 +1770,34 @@ def test_a_notification_from_another_connection_says_how_many_messages(pg):
     assert heard[1:] == [("delayed_queue", *c) for c in counts]
 
 
+def test_a_listener_on_an_asyncpg_url_with_its_own_parameters_connects(pg, caplog):
+    """The listener (psycopg, libpq) got the async URL's query unchanged: libpq refused
+    asyncpg's ``prepared_statement_cache_size`` every 5 s, for ever, and no offer of another
+    process woke the worker. Keys libpq does not know are left out (and said so); asyncpg's
+    ``ssl=<mode>`` becomes ``sslmode``."""
+    url = pg.url.set(
+        drivername="postgresql+asyncpg",
+        query={"prepared_statement_cache_size": "0", "ssl": "disable"},
+    )
+    heard: list[tuple[str | None, str | None, int | None]] = []
+    listener = PostgreSQLStrategy.listener(url, ["delayed_queue"], lambda *a: heard.append(a))
+    assert listener is not None
+    with caplog.at_level(logging.WARNING, logger="sqla_delayedq.listener"):
+        listener.start()
+        try:
+            assert wait_for(listener.connected.is_set, 10)  # type: ignore[attr-defined]
+            with pg.Session() as s, s.begin():
+                DelayedQueue("heard-async").offer(s, "one", {})
+            assert wait_for(lambda: ("delayed_queue", "heard-async", 1) in heard, 5)
+        finally:
+            listener.stop()
+    dropped = [r.getMessage() for r in caplog.records if "leaves out" in r.getMessage()]
+    assert len(dropped) == 1 and "prepared_statement_cache_size" in dropped[0]
+    from sqla_delayedq._dialects import libpq_url
+
+    assert libpq_url(url)[0].query == {"sslmode": "disable"}
+
+
 # -- heartbeats -------------------------------------------------------------------------------
 
 
@@ -2360,6 +2388,27 @@ threading.Thread(target=ready, daemon=True).start()
 w.run()
 print("stopped", flush=True)
 """
+
+
+def test_run_off_the_main_thread_says_to_leave_the_signal_handlers_alone(backend):
+    """``Worker.run()`` off the main thread failed with Python's ``ValueError: signal only
+    works in main thread``, which did not say what to do."""
+    worker = Worker(backend.Session, poll_interval=0.05, listen=False)
+    worker.register(DelayedQueue("off-main"), lambda env: None)
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            worker.run()
+        except Exception as exc:
+            failures.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(30)
+    assert len(failures) == 1 and isinstance(failures[0], InvalidArgument)
+    assert "install_signal_handlers=False" in str(failures[0])
+    assert not worker._started
 
 
 def test_a_thread_worker_stops_on_a_second_signal_during_the_first_s_stop(tmp_path):
