@@ -6,7 +6,7 @@ import asyncio
 import subprocess
 import sys
 from datetime import timedelta
-from typing import cast
+from typing import Any, cast
 
 import pytest
 import sqlalchemy as sa
@@ -354,3 +354,23 @@ def test_each_worker_refuses_the_other_kind_of_sessionmaker(async_sessions, pg):
         AsyncWorker(pg.Session)
     with pytest.raises(InvalidArgument, match=r"use sqla_delayedq\.aio\.AsyncWorker"):
         Worker(async_sessions)
+
+
+def test_bytes_payloads_go_through_every_asyncio_driver(async_backend):
+    """aiomysql (0.3.2) with PyMySQL 1.2.3 and later failed every bytes offer (``'str' object
+    is not callable``): the ``asyncio`` extra keeps PyMySQL below 1.2.1 (found in review)."""
+    from sqla_delayedq.serializers import BytesSerializer
+
+    q = AsyncQueue(DelayedQueue[bytes]("bytes", serializer=BytesSerializer()))
+    blob = bytes(range(256)) * 3
+
+    async def main() -> tuple[Any, Any]:
+        async with async_backend.sessions() as s, s.begin():
+            offered = await q.offer(s, "blob", blob)
+        async with async_backend.sessions() as s, s.begin():
+            envelope = await q.try_poll(s)
+            assert envelope is not None
+            await q.ack(s, envelope)
+        return offered.outcome, envelope.payload
+
+    assert asyncio.run(main()) == (Outcome.CREATED, blob)
