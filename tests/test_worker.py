@@ -1787,7 +1787,7 @@ def test_a_listener_on_an_asyncpg_url_with_its_own_parameters_connects(pg, caplo
         try:
             assert wait_for(listener.connected.is_set, 10)  # type: ignore[attr-defined]
             with pg.Session() as s, s.begin():
-                DelayedQueue("heard-async").offer(s, "one", {})
+                DelayedQueue[Any]("heard-async").offer(s, "one", {})
             assert wait_for(lambda: ("delayed_queue", "heard-async", 1) in heard, 5)
         finally:
             listener.stop()
