@@ -671,8 +671,11 @@ class DuckHooks:
 def test_a_worker_refuses_hooks_that_are_not_worker_hooks(hooks):
     """``Worker(hooks=...)`` took any object (``add_hooks`` refused it): at the first take the
     worker stopped on a missing method, in transactional mode after failing the message."""
-    sessions: Any = sessionmaker(create_engine("sqlite://"))
-    for worker_class in (Worker, AsyncWorker):
+    kinds: Any = (
+        (Worker, sessionmaker(create_engine("sqlite://"))),
+        (AsyncWorker, async_sessionmaker()),
+    )
+    for worker_class, sessions in kinds:
         name = worker_class.__name__
         with pytest.raises(InvalidArgument, match=rf"{name}: hooks: expected a WorkerHooks"):
             worker_class(sessions, hooks=hooks)

@@ -8,7 +8,8 @@ consumption modes. The read side shows the poison with its error instead of fail
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import pytest
@@ -153,6 +154,19 @@ def test_decode_error_is_the_library_error(backend, make_queue):
 DEEP = "[" * 5000 + "]" * 5000  # valid JSON nested deeper than Python's parser recurses
 
 
+@pytest.fixture
+def default_recursion_limit() -> Iterator[None]:
+    """Python's default recursion limit, which some libraries raise in the test process
+    (mkdocstrings, mypy): past it, ``DEEP`` would parse."""
+    before = sys.getrecursionlimit()
+    sys.setrecursionlimit(1000)
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(before)
+
+
+@pytest.mark.usefixtures("default_recursion_limit")
 def test_deeply_nested_headers_read_as_no_headers(backend, make_queue):
     """Stored headers nested too deep to parse raised RecursionError from every take: every
     worker stopped, and ``delayedq ls/show`` crashed. Headers never make a message
@@ -171,6 +185,7 @@ def test_deeply_nested_headers_read_as_no_headers(backend, make_queue):
 
 
 @pytest.mark.parametrize("stored", [DEEP, "[" * 5000], ids=["valid", "unterminated"])
+@pytest.mark.usefixtures("default_recursion_limit")
 def test_deeply_nested_json_on_sqlite_is_buried_not_raised(make_queue, tmp_path, stored):
     """A payload nested too deep to parse is a decode error of its own message (buried), not
     a RecursionError that stops the take of the messages behind it."""
@@ -202,6 +217,7 @@ def test_deeply_nested_json_on_sqlite_is_buried_not_raised(make_queue, tmp_path,
 
 
 @pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+@pytest.mark.usefixtures("default_recursion_limit")
 def test_deeply_nested_jsonb_on_postgresql_is_buried_not_raised(backend, make_queue):
     """psycopg decodes JSONB itself: a payload nested too deep to parse raised RecursionError
     from the take's fetch, and every worker stopped. The engine's JSON loader makes it a
